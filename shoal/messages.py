@@ -1,0 +1,185 @@
+"""Every message that crosses a process boundary, defined once.
+
+Messages are frozen dataclasses encoded with msgpack as a map carrying the protocol version `v`
+and the message type `t`. `encode` / `decode` are the only serialisation code in shoal; a reader
+that gets another version or an unknown type raises `ProtocolError` rather than guessing.
+
+The engine's own iteration API speaks these types too (`IterationPlan` in, `IterationResult`
+out), so what the scheduler sends is exactly what the engine runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+from shoal.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """A message of another protocol version, of an unknown type, or malformed."""
+
+
+_REGISTRY: dict[str, type[Message]] = {}
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of all wire messages; subclasses set `TYPE`."""
+
+    TYPE: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if cls.TYPE:
+            _REGISTRY[cls.TYPE] = cls
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            out[f.name] = _to_plain(getattr(self, f.name))
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Message:
+        return cls(**d)
+
+
+def _to_plain(v: Any) -> Any:
+    if isinstance(v, Message):
+        return v.to_dict()
+    if isinstance(v, SamplingParams):
+        return v.to_dict()
+    if isinstance(v, (list, tuple)):
+        return [_to_plain(x) for x in v]
+    return v
+
+
+def encode(msg: Message) -> bytes:
+    """msgpack bytes of `msg`, tagged with its type and the protocol version."""
+    return msgpack.packb({"v": PROTOCOL_VERSION, "t": msg.TYPE, "m": msg.to_dict()})
+
+
+def decode(data: bytes) -> Message:
+    """Inverse of `encode`.
+
+    Raises:
+        ProtocolError: not msgpack, another protocol version, an unknown type or bad fields.
+    """
+    try:
+        env = msgpack.unpackb(data)
+        version, kind, body = env["v"], env["t"], env["m"]
+    except Exception as e:
+        raise ProtocolError(f"malformed message: {e}") from e
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version}, this build speaks {PROTOCOL_VERSION}")
+    cls = _REGISTRY.get(kind)
+    if cls is None:
+        raise ProtocolError(f"unknown message type {kind!r}")
+    try:
+        return cls.from_dict(body)
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"bad {kind} message: {e}") from e
+
+
+@dataclass(frozen=True)
+class NewRequest(Message):
+    """A request entering a worker's engine.
+
+    Attributes:
+        request_id: unique id.
+        prompt_token_ids: the prompt.
+        params: sampling parameters.
+        output_token_ids: tokens already generated elsewhere (a request recomputed after
+            preemption or migration); they are prefilled with the prompt and count toward
+            `max_tokens`.
+    """
+
+    TYPE: ClassVar[str] = "new_request"
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> NewRequest:
+        return cls(**{**d, "params": SamplingParams.from_dict(d["params"])})
+
+
+@dataclass(frozen=True)
+class IterationPlan(Message):
+    """What one worker runs in its next iteration.
+
+    Attributes:
+        iteration: the scheduler's counter for this worker, echoed in the result.
+        admit: requests joining now.
+        run: ids of running requests that take part; None means every running request.
+        release: ids to drop before running (finished elsewhere, cancelled, preempted); their
+            K/V blocks are freed.
+    """
+
+    TYPE: ClassVar[str] = "iteration_plan"
+    iteration: int = 0
+    admit: list[NewRequest] = field(default_factory=list)
+    run: list[str] | None = None
+    release: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> IterationPlan:
+        return cls(**{**d, "admit": [NewRequest.from_dict(a) for a in d["admit"]]})
+
+
+@dataclass(frozen=True)
+class TokenOutput(Message):
+    """One request's outcome in one iteration.
+
+    Attributes:
+        request_id: the request.
+        token_id: the sampled token, or None when the request did not sample this iteration (a
+            prefill chunk that did not reach the end of the prompt, or an error).
+        index: position of `token_id` in the request's output (0 = first generated token).
+        logprob: log-probability of the token when the request asked for it.
+        finish_reason: "stop" (EOS or a stop token), "length" (max_tokens or the context window),
+            "error", or None while the request goes on.
+        error: what went wrong when `finish_reason` is "error".
+    """
+
+    TYPE: ClassVar[str] = "token_output"
+    request_id: str
+    token_id: int | None
+    index: int
+    logprob: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class IterationResult(Message):
+    """What a worker reports after one iteration.
+
+    Attributes:
+        worker_id: the worker.
+        iteration: the plan's counter.
+        outputs: one entry per request that sampled or finished.
+        num_free_blocks: free K/V blocks after the iteration.
+        num_prefill_tokens, num_decode_tokens: tokens computed this iteration.
+        step_seconds: wall time of the iteration in seconds.
+    """
+
+    TYPE: ClassVar[str] = "iteration_result"
+    worker_id: str
+    iteration: int
+    outputs: list[TokenOutput]
+    num_free_blocks: int
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    step_seconds: float = 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> IterationResult:
+        return cls(**{**d, "outputs": [TokenOutput.from_dict(o) for o in d["outputs"]]})

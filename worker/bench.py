@@ -1,0 +1,199 @@
+"""`shoal bench engine`: workload W64 in-process, against request-level batching in transformers.
+
+W64: 64 requests submitted at once, prompt lengths uniform in [32, 256] tokens of random ids,
+output lengths uniform in [1, 64], forced (`ignore_eos`), greedy, seeded. The same requests then run
+through transformers `generate` in static batches of 8 (request-level batching: a batch runs until
+its longest request is done; the Orca paper's baseline), in the same process and dtype. The run also
+times decode iterations at batch 1, 8, 32 and 64 and one prefill iteration.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import resource
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shoal.messages import IterationPlan, NewRequest
+from shoal.sampling_params import SamplingParams
+from worker.config import EngineConfig
+from worker.engine import Engine
+from worker.offline import stream
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_requests: int
+    prompt_len: tuple[int, int]
+    output_len: tuple[int, int]
+
+
+W64 = Workload(64, (32, 256), (1, 64))
+W64_QUICK = Workload(8, (16, 64), (1, 8))
+
+
+def make_requests(w: Workload, vocab_size: int, seed: int, prefix: str = "w") -> list[NewRequest]:
+    """The workload's requests: random prompt ids, forced output lengths, greedy."""
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(w.num_requests):
+        prompt = [rng.randrange(vocab_size) for _ in range(rng.randint(*w.prompt_len))]
+        params = SamplingParams(max_tokens=rng.randint(*w.output_len), temperature=0.0,
+                                ignore_eos=True)
+        reqs.append(NewRequest(f"{prefix}{i}", prompt, params))
+    return reqs
+
+
+def run_workload(engine: Engine, reqs: list[NewRequest]) -> dict[str, float]:
+    """All requests submitted at t=0; returns throughput and per-token latency figures."""
+    t0 = time.perf_counter()
+    finished_at: dict[str, float] = {}
+    generated = 0
+    for out in stream(engine, reqs):
+        if out.token_id is not None:
+            generated += 1
+        if out.finish_reason is not None:
+            finished_at[out.request_id] = time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0
+    per_token = [finished_at[r.request_id] / r.params.max_tokens for r in reqs]
+    return {
+        "generated_tokens": generated,
+        "seconds": elapsed,
+        "generated_tokens_per_s": generated / elapsed,
+        "requests_per_s": len(reqs) / elapsed,
+        "median_latency_per_output_token_s": statistics.median(per_token),
+    }
+
+
+def decode_throughput(engine: Engine, batch: int, prompt_len: int, steps: int) -> float:
+    """Tokens/s of decode-only iterations with `batch` requests of `prompt_len`-token contexts."""
+    reqs = [NewRequest(f"d{batch}-{i}", [(7 * i + j) % 1000 + 10 for j in range(prompt_len)],
+                       SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
+            for i in range(batch)]
+    engine.step(IterationPlan(admit=reqs))
+    while any(s.num_uncomputed_tokens > 1 for s in engine.running.values()):
+        engine.step()  # finish chunked prefills
+    engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = time.perf_counter() - t0
+    for r in reqs:
+        engine.release(r.request_id)
+    return batch * steps / elapsed
+
+
+def prefill_throughput(engine: Engine, num: int, prompt_len: int) -> float:
+    """Tokens/s of one iteration prefilling `num` prompts of `prompt_len` tokens."""
+    reqs = [NewRequest(f"p{i}", [(3 * i + j) % 1000 + 10 for j in range(prompt_len)],
+                       SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            for i in range(num)]
+    t0 = time.perf_counter()
+    engine.step(IterationPlan(admit=reqs))
+    return num * prompt_len / (time.perf_counter() - t0)
+
+
+def transformers_static_batches(path: Path, dtype: torch.dtype, reqs: list[NewRequest],
+                                batch_size: int = 8) -> dict[str, float]:
+    """Request-level batching baseline: transformers `generate` on left-padded static batches.
+
+    Each batch runs until its longest request is done; only each request's own `max_tokens`
+    count as generated tokens.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    model.eval()
+    pad = 0
+
+    def run(batch: list[NewRequest]) -> None:
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):
+            n = len(r.prompt_token_ids)
+            ids[i, width - n :] = torch.tensor(r.prompt_token_ids)
+            mask[i, width - n :] = 1
+        new = max(r.params.max_tokens for r in batch)
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False, pad_token_id=pad)
+
+    run(reqs[:2])  # warm-up
+    t0 = time.perf_counter()
+    for i in range(0, len(reqs), batch_size):
+        run(reqs[i : i + batch_size])
+    elapsed = time.perf_counter() - t0
+    generated = sum(r.params.max_tokens for r in reqs)
+    return {"generated_tokens": generated, "seconds": elapsed,
+            "generated_tokens_per_s": generated / elapsed}
+
+
+def run_engine_bench(path: Path, cfg: EngineConfig, quick: bool, baseline: bool, output: str,
+                     seed: int) -> dict:
+    """Run the benchmark, print a table and write the figures as JSON to `output`."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    t0 = time.perf_counter()
+    engine = Engine.from_path(path, cfg)
+    load_s = time.perf_counter() - t0
+    vocab = engine.model_cfg.vocab_size
+    workload = W64_QUICK if quick else W64
+    with console.status("warming up"):
+        run_workload(engine, make_requests(W64_QUICK, vocab, seed + 1, prefix="warm"))
+    with console.status("W64 through the engine"):
+        ours = run_workload(engine, make_requests(workload, vocab, seed))
+    batches = (1, 8) if quick else (1, 8, 32, 64)
+    steps = 4 if quick else 32
+    decode = {}
+    with console.status("decode throughput"):
+        for b in batches:
+            decode[str(b)] = decode_throughput(engine, b, 128, steps)
+    with console.status("prefill throughput"):
+        prefill = prefill_throughput(engine, 2 if quick else 8, 64 if quick else 256)
+    base = None
+    if baseline:
+        with console.status("W64 through transformers static batches of 8"):
+            base = transformers_static_batches(path, cfg.dtype, make_requests(workload, vocab, seed))
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    table = Table(title=f"shoal bench engine ({'quick' if quick else 'W64'}, {str(cfg.dtype).removeprefix('torch.')}, "
+                        f"{torch.get_num_threads()} threads)")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_row("shoal generated tokens/s", f"{ours['generated_tokens_per_s']:.1f}")
+    table.add_row("shoal requests/s", f"{ours['requests_per_s']:.2f}")
+    table.add_row("shoal median latency per output token (ms)",
+                  f"{ours['median_latency_per_output_token_s'] * 1e3:.1f}")
+    if base:
+        table.add_row("transformers static batches of 8, generated tokens/s",
+                      f"{base['generated_tokens_per_s']:.1f}")
+        table.add_row("ratio shoal / transformers",
+                      f"{ours['generated_tokens_per_s'] / base['generated_tokens_per_s']:.1f}x")
+    for b, v in decode.items():
+        table.add_row(f"decode tokens/s at batch {b}", f"{v:.1f}")
+    table.add_row("prefill tokens/s", f"{prefill:.0f}")
+    table.add_row("model load (s)", f"{load_s:.1f}")
+    table.add_row("K/V blocks", f"{engine.num_total_blocks} x {cfg.block_size} tokens")
+    table.add_row("peak resident memory (MiB)", f"{peak_rss / 2**20:.0f}")
+    console.print(table)
+
+    figures = {
+        "workload": "W64-quick" if quick else "W64", "seed": seed,
+        "dtype": str(cfg.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+        "shoal": ours, "transformers_static_batch8": base,
+        "decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill,
+        "model_load_seconds": load_s, "peak_rss_bytes": peak_rss,
+    }
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(figures, indent=2))
+    console.print(f"figures written to {out}")
+    return figures

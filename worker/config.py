@@ -1,0 +1,90 @@
+"""Configuration of the model and of the engine that runs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder, read from GGUF metadata or a Hugging Face `config.json`.
+
+    Attributes:
+        vocab_size: number of token ids.
+        hidden_size: width of the residual stream.
+        intermediate_size: width of the SwiGLU MLP.
+        num_layers: number of decoder blocks.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (grouped-query attention when fewer than `num_heads`).
+        head_dim: width of one head.
+        rope_theta: RoPE base frequency.
+        rms_norm_eps: epsilon of RMSNorm.
+        max_position_embeddings: the model's context window in tokens.
+        tie_word_embeddings: the LM head reuses the token embedding matrix.
+        eos_token_id: end-of-sequence token id (None if the model has none).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_id: int | None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of one worker's engine.
+
+    Attributes:
+        dtype: dtype of weights, activations and the K/V cache (serving default bfloat16).
+        block_size: tokens per K/V-cache block.
+        kv_cache_bytes: memory for the K/V cache in bytes; None uses `kv_cache_memory_fraction`.
+        kv_cache_memory_fraction: share of the machine's available memory for the K/V cache when
+            `kv_cache_bytes` is None.
+        max_num_seqs: most requests in one iteration.
+        max_num_batched_tokens: most tokens (prefill plus decode) in one iteration; longer
+            prompts are prefilled in chunks over several iterations.
+        max_model_len: the context window served, at most the model's own; None means the model's.
+    """
+
+    dtype: torch.dtype = torch.bfloat16
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    kv_cache_memory_fraction: float = 0.1
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if not 0.0 < self.kv_cache_memory_fraction < 1.0:
+            raise ValueError("kv_cache_memory_fraction must be in (0, 1)")
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,0 +1,286 @@
+"""The selective-batching engine: one `step` is one iteration over every request it runs.
+
+`Engine.step(plan)` applies the plan's releases and admissions, chooses the tokens of this
+iteration (every decode, then prefill chunks FCFS within `max_num_batched_tokens`: chunked
+prefill), grows block tables, runs the model once over the flat batch, samples, and retires
+finished requests, freeing their K/V blocks at once (Orca, OSDI'22, §4.1: iteration-level
+scheduling; §4.2: selective batching).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shoal.messages import IterationPlan, IterationResult, NewRequest, TokenOutput
+from shoal.sampling_params import SamplingParams
+from worker.attention import build_metadata
+from worker.config import EngineConfig, ModelConfig
+from worker.kv_cache import KVCache, KVCacheFullError
+from worker.loader import load_model
+from worker.model import LlamaModel
+from worker.sampler import Sampler
+
+__all__ = ["Engine", "InvalidRequestError", "KVCacheFullError", "Sequence"]
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot run (empty or over-long prompt, unknown token id, duplicate id)."""
+
+
+@dataclass
+class Sequence:
+    """One request's state inside the engine.
+
+    Attributes:
+        request_id: the request.
+        token_ids: prompt followed by every generated token.
+        num_prompt_tokens: length of the prompt.
+        params: sampling parameters.
+        generator: the request's own random stream (None when greedy).
+        block_table: K/V blocks owned by the request, in position order.
+        num_computed_tokens: tokens whose K/V are in the cache.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+
+class Engine:
+    """One worker's model, K/V cache, sampler and running requests.
+
+    Args:
+        model_cfg: the model's shape.
+        weights: its tensors (worker.loader), already in `cfg.dtype`.
+        cfg: engine knobs.
+        keep_logits: keep each iteration's logits in `last_logits` (tests compare them).
+    """
+
+    def __init__(
+        self, model_cfg: ModelConfig, weights: dict[str, torch.Tensor], cfg: EngineConfig,
+        keep_logits: bool = False,
+    ) -> None:
+        self.model_cfg = model_cfg
+        self.cfg = cfg
+        self.max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings,
+                                 model_cfg.max_position_embeddings)
+        self.model = LlamaModel(model_cfg, weights, self.max_model_len)
+        num_blocks = KVCache.num_blocks_for(model_cfg, cfg.block_size, cfg.dtype,
+                                            cfg.kv_cache_bytes, cfg.kv_cache_memory_fraction)
+        self.kv_cache = KVCache(model_cfg, num_blocks, cfg.block_size, cfg.dtype)
+        self.sampler = Sampler()
+        self.running: dict[str, Sequence] = {}
+        self.keep_logits = keep_logits
+        self.last_logits: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def from_path(cls, path: Path, cfg: EngineConfig, **kw) -> Engine:
+        """Load a model (GGUF file or Hugging Face directory) and build an engine around it."""
+        model_cfg, weights = load_model(path, cfg.dtype)
+        return cls(model_cfg, weights, cfg, **kw)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_cache.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.kv_cache.num_total_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.cfg.block_size)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(self, req: NewRequest) -> Sequence:
+        """Admit a request; it runs from the next `step`.
+
+        Raises:
+            InvalidRequestError: empty prompt, a token id outside the vocabulary, a prompt that
+                leaves no room in the context window, or a request id already running.
+        """
+        tokens = list(req.prompt_token_ids) + list(req.output_token_ids)
+        if not req.prompt_token_ids:
+            raise InvalidRequestError(f"request {req.request_id}: the prompt is empty")
+        if req.request_id in self.running:
+            raise InvalidRequestError(f"request {req.request_id} is already running")
+        vocab = self.model_cfg.vocab_size
+        if any(t < 0 or t >= vocab for t in tokens):
+            raise InvalidRequestError(
+                f"request {req.request_id}: token ids must be in [0, {vocab})"
+            )
+        if len(tokens) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"request {req.request_id}: {len(tokens)} tokens leave no room in the context "
+                f"window of {self.max_model_len} tokens"
+            )
+        gen = None
+        if not req.params.greedy:
+            gen = torch.Generator()
+            if req.params.seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(req.params.seed)
+        seq = Sequence(req.request_id, tokens, len(req.prompt_token_ids), req.params, gen)
+        self.running[req.request_id] = seq
+        return seq
+
+    def release(self, request_id: str) -> bool:
+        """Drop a request and free its blocks. Returns False if it was not running."""
+        seq = self.running.pop(request_id, None)
+        if seq is None:
+            return False
+        self.kv_cache.release(seq.block_table)
+        return True
+
+    # -- one iteration --------------------------------------------------------------------------
+
+    def step(self, plan: IterationPlan | None = None) -> IterationResult:
+        """Run one iteration.
+
+        Releases and admissions in `plan` take effect first; an admission the engine cannot run
+        is reported as finished with `finish_reason="error"`.
+
+        Returns:
+            One `TokenOutput` per request that sampled a token or finished, and the free blocks.
+
+        Raises:
+            KVCacheFullError: the requests chosen need more blocks than are free. The plan's
+                releases and admissions have taken effect, no token was computed and no block
+                taken; the caller preempts (releases) something and steps again.
+        """
+        t0 = time.perf_counter()
+        plan = plan or IterationPlan()
+        outputs: list[TokenOutput] = []
+        for rid in plan.release:
+            self.release(rid)
+        admitted = []
+        for req in plan.admit:
+            try:
+                admitted.append(self.add_request(req).request_id)
+            except InvalidRequestError as e:
+                outputs.append(TokenOutput(req.request_id, None, len(req.output_token_ids),
+                                           finish_reason="error", error=str(e)))
+        if plan.run is None:
+            seqs = list(self.running.values())
+        else:
+            ids = list(dict.fromkeys([*plan.run, *admitted]))
+            seqs = [self.running[r] for r in ids if r in self.running]
+        decodes, prefills = self._schedule(seqs[: self.cfg.max_num_seqs])
+        num_decode, num_prefill = len(decodes), sum(c for _, c in prefills)
+        if decodes or prefills:
+            outputs += self._run(decodes, prefills)
+        return IterationResult(
+            worker_id="", iteration=plan.iteration, outputs=outputs,
+            num_free_blocks=self.num_free_blocks, num_prefill_tokens=num_prefill,
+            num_decode_tokens=num_decode, step_seconds=time.perf_counter() - t0,
+        )
+
+    def _schedule(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+        """Decodes first (one token each), then prefill chunks FCFS within the token budget.
+        Grows every chosen request's block table, all or nothing."""
+        decodes = [s for s in seqs if s.num_uncomputed_tokens == 1]
+        budget = self.cfg.max_num_batched_tokens - len(decodes)
+        prefills: list[tuple[Sequence, int]] = []
+        for s in seqs:
+            if budget <= 0:
+                break
+            if s.num_uncomputed_tokens > 1:
+                chunk = min(s.num_uncomputed_tokens, budget)
+                prefills.append((s, chunk))
+                budget -= chunk
+        need = sum(self.kv_cache.blocks_needed(s.block_table, s.num_computed_tokens + 1)
+                   for s in decodes)
+        need += sum(self.kv_cache.blocks_needed(s.block_table, s.num_computed_tokens + c)
+                    for s, c in prefills)
+        if need > self.num_free_blocks:
+            raise KVCacheFullError(f"iteration needs {need} K/V blocks, {self.num_free_blocks} free")
+        for s in decodes:
+            self.kv_cache.grow(s.block_table, s.num_computed_tokens + 1)
+        for s, c in prefills:
+            self.kv_cache.grow(s.block_table, s.num_computed_tokens + c)
+        return decodes, prefills
+
+    def _run(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> list[TokenOutput]:
+        ids: list[int] = [s.token_ids[-1] for s in decodes]
+        positions: list[int] = [s.num_computed_tokens for s in decodes]
+        sample_rows: list[int] = list(range(len(decodes)))
+        samplers: list[Sequence] = list(decodes)
+        row = len(decodes)
+        for s, c in prefills:
+            start = s.num_computed_tokens
+            ids += s.token_ids[start : start + c]
+            positions += range(start, start + c)
+            row += c
+            if start + c == len(s.token_ids):  # the prompt is done: this chunk samples
+                sample_rows.append(row - 1)
+                samplers.append(s)
+        meta = build_metadata(
+            [s.block_table for s in decodes], [s.num_computed_tokens + 1 for s in decodes],
+            [(s.block_table, s.num_computed_tokens, c) for s, c in prefills],
+            self.cfg.block_size, self.model_cfg.num_kv_heads,
+        )
+        hidden = self.model.forward(torch.tensor(ids), torch.tensor(positions), meta, self.kv_cache)
+        for s in decodes:
+            s.num_computed_tokens += 1
+        for s, c in prefills:
+            s.num_computed_tokens += c
+        if not samplers:
+            return []
+        logits = self.model.compute_logits(hidden[sample_rows])
+        self._suppress_early_stop(logits, samplers)
+        if self.keep_logits:
+            self.last_logits = {s.request_id: logits[i].clone() for i, s in enumerate(samplers)}
+        tokens, logprobs = self.sampler(logits, [s.params for s in samplers],
+                                        [s.generator for s in samplers])
+        outputs = []
+        for s, tok, lp in zip(samplers, tokens, logprobs):
+            index = s.num_output_tokens
+            s.token_ids.append(tok)
+            reason = self._finish_reason(s, tok)
+            if reason is not None:
+                self.release(s.request_id)
+            outputs.append(TokenOutput(s.request_id, tok, index, lp, reason))
+        return outputs
+
+    def _suppress_early_stop(self, logits: torch.Tensor, samplers: list[Sequence]) -> None:
+        """`min_tokens`: before it is reached, EOS and stop tokens cannot be sampled (as in vLLM)."""
+        eos = self.model_cfg.eos_token_id
+        for i, s in enumerate(samplers):
+            if s.num_output_tokens < s.params.min_tokens:
+                banned = list(s.params.stop_token_ids)
+                if eos is not None and not s.params.ignore_eos:
+                    banned.append(eos)
+                if banned:
+                    logits[i, banned] = float("-inf")
+
+    def _finish_reason(self, s: Sequence, tok: int) -> str | None:
+        p = s.params
+        if tok == self.model_cfg.eos_token_id and not p.ignore_eos:
+            return "stop"
+        if tok in p.stop_token_ids:
+            return "stop"
+        if s.num_output_tokens >= p.max_tokens or len(s.token_ids) >= self.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,143 @@
+"""The paged K/V cache: preallocated pools of fixed-size blocks and the allocator that hands them out.
+
+Layout. Each layer has a K pool and a V pool of shape `[num_kv_heads, num_blocks, block_size,
+head_dim]`. A block of one head is contiguous (`block_size * head_dim` elements), and gathering a
+request's blocks along dim 1 yields `[num_kv_heads, num_blocks_of_request * block_size, head_dim]`
+directly in the layout batched attention wants, with block-sized copies rather than one copy per
+token (see worker/attention.py).
+
+Accounting follows vLLM's PagedAttention (Kwon et al., SOSP'23, §4.2): a request owns the blocks
+listed in its block table; `num_free_blocks` / `num_total_blocks` are what the worker advertises and
+what the scheduler places requests by.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from worker.config import ModelConfig
+
+
+class KVCacheFullError(RuntimeError):
+    """Not enough free K/V blocks for an allocation. Nothing was allocated; the caller decides
+    whether to refuse the request or preempt another one."""
+
+
+class BlockAllocator:
+    """Hands out block ids `0 .. num_blocks - 1`; each is free or owned by exactly one request.
+
+    Freed blocks are reused last-in first-out, so a hot block is reused while it is still in cache.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a K/V cache needs at least one block, got {num_blocks}")
+        self.num_total_blocks = num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._is_free = [True] * num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` free blocks.
+
+        Raises:
+            KVCacheFullError: fewer than `n` blocks are free (nothing is taken).
+        """
+        if n > len(self._free):
+            raise KVCacheFullError(f"need {n} K/V blocks, {len(self._free)} free")
+        blocks = [self._free.pop() for _ in range(n)]
+        for b in blocks:
+            self._is_free[b] = False
+        return blocks
+
+    def free(self, blocks: list[int]) -> None:
+        """Return blocks to the pool.
+
+        Raises:
+            ValueError: a block is already free (a double free would let two requests share it).
+        """
+        for b in blocks:
+            if self._is_free[b]:
+                raise ValueError(f"K/V block {b} freed twice")
+            self._is_free[b] = True
+            self._free.append(b)
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, K and V together."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * elem
+
+
+def available_memory_bytes() -> int:
+    """Memory the OS can give us now (MemAvailable), in bytes; total RAM where it is unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class KVCache:
+    """K and V pools for every layer plus their block allocator.
+
+    Attributes:
+        k, v: per layer, `[num_kv_heads, num_blocks, block_size, head_dim]` in the engine dtype.
+        allocator: the block allocator.
+        block_size: tokens per block.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype):
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+        shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+        # Zeroed, not empty: padded block-table entries of a batch read real (unused) blocks, and
+        # their masked-out scores multiply the values; garbage NaNs there would poison the output.
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+
+    @staticmethod
+    def num_blocks_for(
+        cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_bytes: int | None,
+        memory_fraction: float,
+    ) -> int:
+        """Blocks that fit in `kv_cache_bytes`, or in `memory_fraction` of available memory."""
+        budget = kv_cache_bytes if kv_cache_bytes is not None else int(
+            available_memory_bytes() * memory_fraction
+        )
+        return budget // bytes_per_block(cfg, block_size, dtype)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.allocator.num_total_blocks
+
+    def blocks_needed(self, block_table: list[int], num_tokens: int) -> int:
+        """Blocks to add to `block_table` so that it holds `num_tokens` tokens."""
+        return max(0, -(-num_tokens // self.block_size) - len(block_table))
+
+    def grow(self, block_table: list[int], num_tokens: int) -> None:
+        """Extend `block_table` in place to hold `num_tokens` tokens.
+
+        Raises:
+            KVCacheFullError: not enough free blocks (the table is unchanged).
+        """
+        n = self.blocks_needed(block_table, num_tokens)
+        if n:
+            block_table.extend(self.allocator.allocate(n))
+
+    def release(self, block_table: list[int]) -> None:
+        """Free every block of `block_table` and empty it."""
+        self.allocator.free(block_table)
+        block_table.clear()

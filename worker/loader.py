@@ -1,0 +1,213 @@
+"""Loading Llama-family weights from a GGUF file or a Hugging Face model directory.
+
+Both sources end in the same place: a `ModelConfig` and a dict of tensors named as in Hugging Face
+transformers (`model.layers.0.self_attn.q_proj.weight`, ...), in `nn.Linear` layout (out, in).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shoal.model_files import ModelNotFoundError
+from worker.config import ModelConfig
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+# Hugging Face `architectures` entries that are plain Llama decoders under another name.
+HF_LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture or one of its tensors' quantization types is not supported."""
+
+
+Weights = dict[str, torch.Tensor]
+
+# GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def load_model(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
+    """Read a model's configuration and weights.
+
+    Args:
+        path: a `.gguf` file or a Hugging Face model directory (`config.json`, `*.safetensors`).
+        dtype: dtype of the returned weights (float32 or bfloat16; quantized GGUF tensors are
+            dequantized to it).
+
+    Returns:
+        The model configuration and its weights keyed by Hugging Face names.
+
+    Raises:
+        ModelNotFoundError: a missing file.
+        UnsupportedModelError: an architecture other than Llama, or a GGUF quantization type the
+            `gguf` library cannot dequantize.
+    """
+    if not path.exists():
+        raise ModelNotFoundError(f"model path does not exist: {path}")
+    if path.is_dir():
+        return _load_hf_dir(path, dtype)
+    return _load_gguf(path, dtype)
+
+
+def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's row permutation of Q/K projections.
+
+    llama.cpp's converter interleaves each head's two rotary halves so its RoPE can rotate
+    adjacent pairs; transformers' RoPE rotates the first half against the second. Shape
+    [out, in] in and out.
+    """
+    out, inp = w.shape
+    return w.reshape(n_head, out // n_head // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # gguf raises ValueError/struct errors on a bad file
+        raise ModelNotFoundError(f"not a readable GGUF file: {path} ({e})") from e
+
+    def field(key: str, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported architecture {arch!r} in {path.name}; supported: {SUPPORTED_ARCHITECTURES}"
+        )
+    n_head = int(field(f"{arch}.attention.head_count"))
+    n_kv = int(field(f"{arch}.attention.head_count_kv", n_head))
+    hidden = int(field(f"{arch}.embedding_length"))
+    names = {t.name for t in reader.tensors}
+    tokens = field("tokenizer.ggml.tokens")
+    vocab = int(field(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
+    cfg = ModelConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(field(f"{arch}.feed_forward_length")),
+        num_layers=int(field(f"{arch}.block_count")),
+        num_heads=n_head,
+        num_kv_heads=n_kv,
+        head_dim=int(field(f"{arch}.attention.key_length", hidden // n_head)),
+        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(field(f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        eos_token_id=_opt_int(field("tokenizer.ggml.eos_token_id")),
+    )
+
+    weights: Weights = {}
+    for t in reader.tensors:
+        try:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise UnsupportedModelError(
+                f"tensor {t.name} has quantization type {t.tensor_type.name}, which cannot be "
+                "dequantized"
+            ) from e
+        # GGUF lists dimensions innermost first; dequantize already gives (out, in) for matrices.
+        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
+        name = _hf_name(t.name)
+        if name is None:
+            continue  # e.g. rope_freqs, which plain Llama does not use
+        if name.endswith("q_proj.weight"):
+            arr = _unpermute_rope(arr, n_head)
+        elif name.endswith("k_proj.weight"):
+            arr = _unpermute_rope(arr, n_kv)
+        # The arrays are read-only views of a memory map: copy before handing them to torch.
+        weights[name] = torch.from_numpy(np.array(arr, copy=True)).to(dtype)
+    _check_complete(cfg, weights, path)
+    return cfg, weights
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    if gguf_name.startswith("blk."):
+        _, idx, rest = gguf_name.split(".", 2)
+        if rest in _GGUF_LAYER_NAMES:
+            return f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+    return None
+
+
+def _opt_int(v) -> int | None:
+    return None if v is None else int(v)
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
+    from safetensors.torch import load_file
+
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelNotFoundError(f"model directory has no config.json: {path}")
+    c = json.loads(config_file.read_text())
+    archs = c.get("architectures") or []
+    if c.get("model_type") != "llama" and not set(archs) & set(HF_LLAMA_ARCHITECTURES):
+        raise UnsupportedModelError(
+            f"unsupported architecture {archs or c.get('model_type')!r} in {config_file}; "
+            f"supported: {HF_LLAMA_ARCHITECTURES}"
+        )
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"model directory has no *.safetensors files: {path}")
+    rope = c.get("rope_parameters") or {}
+    if (rope.get("rope_type") or "default") != "default" or c.get("rope_scaling"):
+        raise UnsupportedModelError(f"RoPE scaling is not supported ({path})")
+    n_head = int(c["num_attention_heads"])
+    eos = c.get("eos_token_id")
+    cfg = ModelConfig(
+        vocab_size=int(c["vocab_size"]),
+        hidden_size=int(c["hidden_size"]),
+        intermediate_size=int(c["intermediate_size"]),
+        num_layers=int(c["num_hidden_layers"]),
+        num_heads=n_head,
+        num_kv_heads=int(c.get("num_key_value_heads") or n_head),
+        head_dim=int(c.get("head_dim") or c["hidden_size"] // n_head),
+        rope_theta=float(c.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+    )
+    weights: Weights = {}
+    for f in files:
+        for name, t in load_file(str(f)).items():
+            weights[name] = t.to(dtype)
+    if "lm_head.weight" not in weights and not cfg.tie_word_embeddings:
+        raise ModelNotFoundError(f"lm_head.weight missing and embeddings not tied: {path}")
+    if cfg.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    _check_complete(cfg, weights, path)
+    return cfg, weights
+
+
+def _check_complete(cfg: ModelConfig, weights: Weights, path: Path) -> None:
+    needed = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(cfg.num_layers):
+        needed += [f"model.layers.{i}.{n}" for n in _GGUF_LAYER_NAMES.values()]
+    if not cfg.tie_word_embeddings:
+        needed.append("lm_head.weight")
+    missing = [n for n in needed if n not in weights]
+    if missing:
+        raise ModelNotFoundError(f"{path} lacks {len(missing)} tensors, e.g. {missing[:3]}")

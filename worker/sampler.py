@@ -1,0 +1,81 @@
+"""Sampling the next token of every request in the batch at once.
+
+Greedy rows take the argmax. Other rows are scaled by temperature, cut by top-k and top-p over one
+shared sort, and sampled with the exponential-race form of the Gumbel-max trick
+(`argmax(p / E)`, `E ~ Exp(1)`), drawing `E` from the request's own `torch.Generator`. Each
+request's noise depends only on its seed and how many tokens it has sampled, so the same seed gives
+the same tokens whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shoal.sampling_params import SamplingParams
+
+
+class Sampler:
+    """Samples one token per row of a logits matrix."""
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> tuple[list[int], list[float | None]]:
+        """Pick the next token of each row.
+
+        Args:
+            logits: `[num_rows, vocab_size]` float32.
+            params: each row's sampling parameters.
+            generators: each row's random stream (None for greedy rows).
+
+        Returns:
+            The sampled token id per row, and its log-probability under the model's (unscaled)
+            distribution for rows that asked for `logprobs`, else None.
+        """
+        tokens = logits.argmax(dim=-1)
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled_rows:
+            idx = torch.tensor(sampled_rows)
+            tokens[idx] = self._sample(logits[idx], [params[i] for i in sampled_rows],
+                                       [generators[i] for i in sampled_rows])
+        token_list = tokens.tolist()
+        logprobs: list[float | None] = [None] * len(params)
+        want = [i for i, p in enumerate(params) if p.logprobs]
+        if want:
+            rows = logits[want]
+            lp = rows.gather(1, tokens[want].unsqueeze(1)).squeeze(1) - torch.logsumexp(rows, dim=-1)
+            for i, value in zip(want, lp.tolist()):
+                logprobs[i] = value
+        return token_list, logprobs
+
+    def _sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).unsqueeze(1)
+        logits = logits / temps
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            logits = self._top_k_top_p(logits, params)
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs)
+        for row, g in enumerate(generators):
+            noise[row].exponential_(generator=g)
+        return probs.div_(noise).argmax(dim=-1)
+
+    @staticmethod
+    def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Set logits outside each row's top-k and top-p set to -inf (`[rows, vocab]` float32)."""
+        vocab = logits.shape[-1]
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).unsqueeze(1)
+        ranks = torch.arange(vocab).unsqueeze(0)
+        drop = ranks >= ks
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).unsqueeze(1)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p; the first always stays.
+        drop |= (probs.cumsum(dim=-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
