@@ -1,0 +1,78 @@
+"""Shared fixtures: the real default model (loaded once per session) and tiny random models."""
+
+from __future__ import annotations
+
+import os
+
+# Two busy processes on two cores make OpenMP spin; tests never need more than that.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest
+import torch
+
+from shoal.model_files import default_model_path, load_tokenizer
+from worker.config import EngineConfig, ModelConfig
+from worker.engine import Engine
+from worker.loader import load_model
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path):
+    return load_tokenizer(model_path)
+
+
+@pytest.fixture(scope="session")
+def fp32_model(model_path):
+    """(ModelConfig, weights) of SmolLM2 in float32."""
+    return load_model(model_path, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    """transformers' own model from the same GGUF: the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
+                                             dtype=torch.float32)
+    return m.eval()
+
+
+def make_engine(model, **kw) -> Engine:
+    cfg, weights = model
+    keep = kw.pop("keep_logits", False)
+    kw.setdefault("kv_cache_bytes", 256 << 20)
+    kw.setdefault("dtype", torch.float32)
+    return Engine(cfg, weights, EngineConfig(**kw), keep_logits=keep)
+
+
+def tiny_config(**kw) -> ModelConfig:
+    """A small random Llama for shape and bookkeeping tests (never a stand-in for the real one)."""
+    base = dict(vocab_size=128, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6,
+                num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5,
+                max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=1)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=0.1):
+        return torch.randn(*shape, generator=g) * scale
+
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    w = {"model.embed_tokens.weight": r(cfg.vocab_size, h, scale=1.0),
+         "model.norm.weight": 1 + r(h), "lm_head.weight": r(cfg.vocab_size, h)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        w |= {p + "input_layernorm.weight": 1 + r(h), p + "post_attention_layernorm.weight": 1 + r(h),
+              p + "self_attn.q_proj.weight": r(q, h), p + "self_attn.k_proj.weight": r(kv, h),
+              p + "self_attn.v_proj.weight": r(kv, h), p + "self_attn.o_proj.weight": r(h, q),
+              p + "mlp.gate_proj.weight": r(inter, h), p + "mlp.up_proj.weight": r(inter, h),
+              p + "mlp.down_proj.weight": r(h, inter)}
+    return w

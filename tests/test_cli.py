@@ -1,0 +1,57 @@
+"""`shoal generate` as a user runs it: real process, real model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def _shoal(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "shoal.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_generate_chat_streams_the_greedy_answer():
+    r = _shoal("generate", "--chat", "--max-tokens", "20", "What is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_generate_float32_matches_in_process_engine(fp32_model, tokenizer):
+    from shoal.messages import NewRequest
+    from shoal.sampling_params import SamplingParams
+    from tests.conftest import make_engine
+    from worker.offline import generate
+
+    prompt = "The three primary colours are"
+    r = _shoal("generate", "--dtype", "float32", "--max-tokens", "12", prompt)
+    assert r.returncode == 0, r.stderr
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    out = generate(make_engine(fp32_model), [NewRequest("x", ids, SamplingParams(max_tokens=12, temperature=0))])
+    assert r.stdout.rstrip("\n") == tokenizer.decode(out["x"].token_ids, skip_special_tokens=True)
+
+
+def test_bad_arguments_fail_clearly(tmp_path):
+    for args, needle in [
+        (["generate", "--max-tokens", "0", "hi"], "positive integer"),
+        (["generate", "--temperature", "-1", "hi"], "temperature"),
+        (["generate", "--model", str(tmp_path / "missing.gguf"), "hi"], "does not exist"),
+        (["generate", ""], "empty"),
+        (["generate", "--top-p", "2", "hi"], "top_p"),
+    ]:
+        r = _shoal(*args)
+        assert r.returncode != 0
+        assert needle in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_bench_engine_quick_writes_its_json(tmp_path):
+    out = tmp_path / "engine.json"
+    r = _shoal("bench", "engine", "--quick", "--output", str(out), timeout=600)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    figures = json.loads(out.read_text())
+    assert figures["shoal"]["generated_tokens"] > 0
+    assert figures["transformers_static_batch8"]["generated_tokens"] == figures["shoal"]["generated_tokens"]
+    assert set(figures["decode_tokens_per_s"]) == {"1", "8"}
+    assert "generated tokens/s" in r.stdout

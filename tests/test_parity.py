@@ -1,0 +1,69 @@
+"""The engine against Hugging Face transformers on the real SmolLM2 model, float32, greedy."""
+
+from __future__ import annotations
+
+import torch
+
+from shoal.messages import IterationPlan, NewRequest
+from shoal.sampling_params import SamplingParams
+from tests.conftest import make_engine
+
+TEXTS = [
+    "Hi",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "List three prime numbers and explain why each is prime.",
+    "Ünïcödé and emoji 🐟🐠 test: ",
+]
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         add_generation_prompt=True, tokenize=True, return_dict=True)
+    prompts.append(list(chat["input_ids"]))
+    story = " ".join(f"Sentence number {i} tells of the fleet and its queue." for i in range(30))
+    long_prompt = tokenizer.encode(story, add_special_tokens=False)
+    assert len(long_prompt) > 300
+    prompts.append(long_prompt)
+    return prompts
+
+
+def test_greedy_tokens_and_logits_match_transformers(fp32_model, hf_model, tokenizer):
+    prompts = _prompts(tokenizer)
+    assert len(prompts) >= 8
+    new_tokens = 32
+    engine = make_engine(fp32_model, keep_logits=True)
+    ours: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    our_logits: dict[str, list[torch.Tensor]] = {r: [] for r in ours}
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
+    pending = list(enumerate(prompts))
+    it = 0
+    # One request joins every other iteration, so requests join mid-flight and finish apart.
+    while pending or engine.running:
+        admit = []
+        if pending and it % 2 == 0:
+            i, p = pending.pop(0)
+            admit.append(NewRequest(f"r{i}", p, params))
+        result = engine.step(IterationPlan(iteration=it, admit=admit))
+        for out in result.outputs:
+            assert out.error is None
+            ours[out.request_id].append(out.token_id)
+            our_logits[out.request_id].append(engine.last_logits[out.request_id])
+        it += 1
+    assert engine.num_free_blocks == engine.num_total_blocks
+    # Most prompts must run the full 32 tokens, or the comparison says little.
+    assert sum(len(t) == new_tokens for t in ours.values()) >= len(prompts) // 2
+
+    for i, p in enumerate(prompts):
+        with torch.inference_mode():
+            g = hf_model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
+                                  output_logits=True, return_dict_in_generate=True)
+        theirs = g.sequences[0, len(p):].tolist()
+        assert ours[f"r{i}"] == theirs, f"prompt {i} ({len(p)} tokens) diverged"
+        for step in sorted({0, 1, len(theirs) // 2, len(theirs) - 1} & set(range(len(theirs)))):
+            a = our_logits[f"r{i}"][step]
+            b = g.logits[step][0].float()
+            rel = ((a - b).norm() / b.norm()).item()
+            assert rel <= 1e-3, f"prompt {i} step {step}: relative logits error {rel:.2e}"
