@@ -68,6 +68,41 @@ def _build_parser() -> argparse.ArgumentParser:
     be.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
     be.add_argument("--output", default="bench-results/engine.json", help="JSON file for the figures")
     be.add_argument("--seed", type=int, default=0)
+    w = sub.add_parser("worker", help="a worker process: runs iterations planned by the scheduler")
+    _add_engine_args(w)
+    w.add_argument("--redis-url", required=True)
+    w.add_argument("--worker-id", default=None)
+    w.add_argument("--prefix", default="shoal", help="Redis key prefix")
+
+    s = sub.add_parser("scheduler", help="the central scheduler process")
+    s.add_argument("--redis-url", required=True)
+    s.add_argument("--policy", choices=["reserve", "ondemand"], default="reserve")
+    s.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    s.add_argument("--prefix", default="shoal", help="Redis key prefix")
+
+    gw = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
+    gw.add_argument("--redis-url", required=True)
+    gw.add_argument("--host", default="127.0.0.1")
+    gw.add_argument("--port", type=_positive_int, default=8000)
+    gw.add_argument("--model", default=None, help="model whose tokenizer to use (default: SmolLM2)")
+    gw.add_argument("--prefix", default="shoal", help="Redis key prefix")
+
+    u = sub.add_parser("up", help="the whole fleet: Redis, scheduler, workers and gateway")
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--port", type=_positive_int, default=8000)
+    u.add_argument("--workers", type=_positive_int, default=1)
+    u.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    u.add_argument("--model", default=None)
+    u.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    u.add_argument("--kv-cache-bytes", type=_positive_int, default=None)
+    u.add_argument("--max-model-len", type=_positive_int, default=None)
+    u.add_argument("--threads", type=_positive_int, default=None, help="torch threads per worker")
+
+    c = sub.add_parser("chat", help="stream a reply from a running gateway")
+    c.add_argument("--url", default="http://127.0.0.1:8000")
+    c.add_argument("--max-tokens", type=_positive_int, default=256)
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("message")
     return parser
 
 
@@ -141,13 +176,97 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _setup_logging() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from shoal.model_files import resolve_model_path
+
+    cfg = _engine_config(args)
+    path = resolve_model_path(args.model)
+    _set_threads(args)
+    _setup_logging()
+    from worker.engine import Engine
+    from worker.server import WorkerServer, WorkerSettings, default_worker_id, wait_for_redis
+
+    try:
+        wait_for_redis(args.redis_url)
+    except ConnectionError as e:
+        raise CLIError(str(e)) from e
+    engine = Engine.from_path(path, cfg)
+    settings = WorkerSettings(args.redis_url, args.worker_id or default_worker_id(), prefix=args.prefix)
+    return WorkerServer(engine, path, settings).run()
+
+
+def _cmd_scheduler(args: argparse.Namespace) -> int:
+    _setup_logging()
+    from scheduler.server import SchedulerServer
+
+    return SchedulerServer(args.redis_url, args.policy, args.max_num_seqs, args.prefix).run()
+
+
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+    from shoal.model_files import resolve_model_path
+
+    resolve_model_path(args.model)  # fail fast with a clear message
+    uvicorn.run(create_app(args.redis_url, args.model, args.prefix), host=args.host,
+                port=args.port, log_level="warning")
+    return 0
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from shoal.fleet import up
+
+    worker_args = ["--dtype", args.dtype]
+    for flag, value in (("--model", args.model), ("--kv-cache-bytes", args.kv_cache_bytes),
+                        ("--max-model-len", args.max_model_len), ("--threads", args.threads)):
+        if value is not None:
+            worker_args += [flag, str(value)]
+    try:
+        return up(args.host, args.port, args.workers, args.redis_url, worker_args, args.threads)
+    except (RuntimeError, FileNotFoundError) as e:
+        raise CLIError(str(e)) from e
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    import json
+
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": args.message}], "stream": True,
+            "max_tokens": args.max_tokens, "temperature": args.temperature}
+    try:
+        with httpx.stream("POST", f"{args.url}/v1/chat/completions", json=body, timeout=300) as r:
+            if r.status_code != 200:
+                r.read()
+                raise CLIError(f"gateway answered {r.status_code}: {r.text}")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[6:]).get("choices", []):
+                    sys.stdout.write(choice.get("delta", {}).get("content", ""))
+                    sys.stdout.flush()
+    except httpx.HTTPError as e:
+        raise CLIError(f"cannot reach the gateway at {args.url}: {e}") from e
+    sys.stdout.write("\n")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `shoal` console script."""
     parser = _build_parser()
     args = parser.parse_args(argv)
     from shoal.model_files import ModelNotFoundError
 
-    handlers = {"generate": _cmd_generate, "bench": _cmd_bench}
+    handlers = {"generate": _cmd_generate, "bench": _cmd_bench, "worker": _cmd_worker,
+                "scheduler": _cmd_scheduler, "gateway": _cmd_gateway, "up": _cmd_up,
+                "chat": _cmd_chat}
     try:
         return handlers[args.command](args)
     except (CLIError, ModelNotFoundError) as e:

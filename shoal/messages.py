@@ -183,3 +183,89 @@ class IterationResult(Message):
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> IterationResult:
         return cls(**{**d, "outputs": [TokenOutput.from_dict(o) for o in d["outputs"]]})
+
+
+@dataclass(frozen=True)
+class RequestSubmission(Message):
+    """A client's request entering the fleet (gateway → scheduler, on the requests stream).
+
+    Attributes:
+        request_id: unique id.
+        model: the model id the client asked for.
+        prompt_token_ids: the tokenized prompt.
+        params: sampling parameters.
+        arrival_time: Unix time in seconds when the gateway accepted it (FCFS order).
+        reply_to: pub/sub channel of the gateway waiting for its tokens.
+    """
+
+    TYPE: ClassVar[str] = "request_submission"
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    reply_to: str
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RequestSubmission:
+        return cls(**{**d, "params": SamplingParams.from_dict(d["params"])})
+
+
+@dataclass(frozen=True)
+class WorkerInfo(Message):
+    """A worker's registration and heartbeat.
+
+    Attributes:
+        worker_id: unique id.
+        model: model id served.
+        num_total_blocks, num_free_blocks: K/V blocks.
+        block_size: tokens per block.
+        max_num_seqs: most requests per iteration.
+        max_model_len: context window in tokens.
+        num_running: requests in its engine.
+        draining: it takes no new requests (SIGTERM received).
+    """
+
+    TYPE: ClassVar[str] = "worker_info"
+    worker_id: str
+    model: str
+    num_total_blocks: int
+    num_free_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+    num_running: int = 0
+    draining: bool = False
+
+
+@dataclass(frozen=True)
+class TokenEvent(Message):
+    """Tokens of one request for its gateway (scheduler → gateway, pub/sub).
+
+    Attributes:
+        request_id: the request.
+        index: position of the first of `token_ids` in the output; receivers drop duplicates.
+        token_ids: new tokens (may be empty on a final or error event).
+        logprobs: their logprobs when asked for.
+        finish_reason: "stop", "length", "error", "cancelled" or None.
+        error: the reason when `finish_reason` is "error".
+        prompt_tokens, completion_tokens: usage, set on the final event.
+    """
+
+    TYPE: ClassVar[str] = "token_event"
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[float | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Cancel(Message):
+    """A client went away or asked to stop (gateway → scheduler)."""
+
+    TYPE: ClassVar[str] = "cancel"
+    request_id: str

@@ -1,0 +1,417 @@
+"""The gateway: OpenAI-compatible HTTP (with Server-Sent Events) and a WebSocket token stream.
+
+It validates and tokenizes a request, subscribes (once, at start-up, to its own channel) before it
+enqueues, writes the request to the Redis stream, and turns the token ids coming back into text
+incrementally. It knows nothing of batching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field, ValidationError
+
+from shoal.detokenizer import IncrementalDetokenizer
+from shoal.keys import Keys
+from shoal.messages import Cancel, RequestSubmission, TokenEvent, WorkerInfo, decode, encode
+from shoal.model_files import load_tokenizer, model_id, resolve_model_path
+from shoal.sampling_params import InvalidSamplingParams, SamplingParams
+
+log = logging.getLogger("shoal.gateway")
+
+
+class APIError(Exception):
+    """An error returned to the client as an OpenAI-style body."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.param, self.kind = status, param, kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param,
+                          "code": None}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: Any = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str]
+    logprobs: int | None = None
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+@dataclass
+class Prepared:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stops: list[str]
+
+
+class StopMatcher:
+    """Cuts the text at the first stop string; holds back a tail that could start one."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.buffer = ""
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """Add text; return (text safe to emit, whether a stop string was hit)."""
+        self.buffer += piece
+        for s in self.stops:
+            i = self.buffer.find(s)
+            if i >= 0:
+                out, self.buffer = self.buffer[:i], ""
+                return out, True
+        if self.hold and len(self.buffer) > self.hold:
+            out, self.buffer = self.buffer[: -self.hold], self.buffer[-self.hold :]
+            return out, False
+        if not self.hold:
+            out, self.buffer = self.buffer, ""
+            return out, False
+        return "", False
+
+    def flush(self) -> str:
+        out, self.buffer = self.buffer, ""
+        return out
+
+
+class Gateway:
+    """State shared by the endpoints: Redis, the tokenizer, the waiting streams."""
+
+    def __init__(self, redis_url: str, model: str | None, prefix: str = "shoal") -> None:
+        self.redis_url = redis_url
+        self.model_path = resolve_model_path(model)
+        self.model = model_id(self.model_path)
+        self.keys = Keys(prefix)
+        self.gateway_id = f"gw-{uuid.uuid4().hex[:8]}"
+        self.channel = self.keys.tokens(self.gateway_id)
+        self.queues: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self.tokenizer: Any = None
+        self.redis: aioredis.Redis | None = None
+        self._listener: asyncio.Task | None = None
+        self.max_model_len = 8192
+
+    async def start(self) -> None:
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path)
+        self.redis = aioredis.Redis.from_url(self.redis_url)
+        pubsub = self.redis.pubsub()
+        await pubsub.subscribe(self.channel)
+        self._listener = asyncio.create_task(self._listen(pubsub))
+
+    async def stop(self) -> None:
+        if self._listener:
+            self._listener.cancel()
+        if self.redis:
+            await self.redis.aclose()
+
+    async def _listen(self, pubsub) -> None:
+        async for msg in pubsub.listen():
+            if msg.get("type") != "message":
+                continue
+            event = decode(msg["data"])
+            q = self.queues.get(event.request_id) if isinstance(event, TokenEvent) else None
+            if q is not None:
+                q.put_nowait(event)
+
+    # -- request preparation ------------------------------------------------------------------
+
+    def _params(self, req: _Common, max_tokens: int | None, prompt_len: int,
+                logprobs: bool) -> SamplingParams:
+        if req.n != 1:
+            raise APIError("only n=1 is supported", param="n")
+        if req.model not in (None, self.model):
+            raise APIError(f"model {req.model!r} is not served here; try {self.model!r}",
+                           status=404, param="model", kind="not_found_error")
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise APIError(f"the prompt has {prompt_len} tokens; the context window is "
+                           f"{self.max_model_len}", param="messages")
+        max_tokens = min(max_tokens or room, room)
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=req.temperature,
+                                  top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed,
+                                  ignore_eos=req.ignore_eos,
+                                  min_tokens=min(req.min_tokens, max_tokens), logprobs=logprobs)
+        except InvalidSamplingParams as e:
+            raise APIError(str(e)) from e
+
+    def prepare_completion(self, req: CompletionRequest) -> Prepared:
+        if isinstance(req.prompt, list) and req.prompt and all(isinstance(t, int) for t in req.prompt):
+            ids = list(req.prompt)
+            vocab = len(self.tokenizer)
+            if any(t < 0 or t >= vocab for t in ids):
+                raise APIError(f"token ids must be in [0, {vocab})", param="prompt")
+        elif isinstance(req.prompt, str):
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=False)
+        elif isinstance(req.prompt, list) and len(req.prompt) == 1 and isinstance(req.prompt[0], str):
+            ids = self.tokenizer.encode(req.prompt[0], add_special_tokens=False)
+        else:
+            raise APIError("prompt must be a string or a list of token ids", param="prompt")
+        if not ids:
+            raise APIError("the prompt is empty", param="prompt")
+        params = self._params(req, req.max_tokens, len(ids), req.logprobs is not None)
+        return Prepared(f"cmpl-{uuid.uuid4().hex}", ids, params, _stops(req.stop))
+
+    def prepare_chat(self, req: ChatRequest) -> Prepared:
+        ids = list(self.tokenizer.apply_chat_template(
+            [m.model_dump() for m in req.messages], add_generation_prompt=True, tokenize=True,
+            return_dict=True)["input_ids"])
+        params = self._params(req, req.max_completion_tokens or req.max_tokens, len(ids),
+                              bool(req.logprobs))
+        return Prepared(f"chatcmpl-{uuid.uuid4().hex}", ids, params, _stops(req.stop))
+
+    # -- running a request ----------------------------------------------------------------------
+
+    async def run(self, p: Prepared) -> AsyncIterator[tuple[str, TokenEvent]]:
+        """Enqueue and yield (new text, event) until the request finishes.
+
+        Text is detokenized incrementally and cut at stop strings; a stop string cancels the
+        request in the fleet. Leaving the iterator early (client gone) cancels it too.
+        """
+        assert self.redis is not None
+        q: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.queues[p.request_id] = q
+        sub = RequestSubmission(p.request_id, self.model, p.prompt_ids, p.params, time.time(),
+                                self.channel)
+        finished = False
+        try:
+            await self.redis.xadd(self.keys.requests, {"m": encode(sub)})
+            detok = IncrementalDetokenizer(self.tokenizer)
+            stops = StopMatcher(p.stops)
+            next_index = 0
+            while True:
+                ev = await q.get()
+                if ev.index + len(ev.token_ids) <= next_index and ev.finish_reason is None:
+                    continue  # a duplicate after a failover
+                skip = max(0, next_index - ev.index)
+                text = ""
+                for t in ev.token_ids[skip:]:
+                    text += detok.add(t)
+                next_index = max(next_index, ev.index + len(ev.token_ids))
+                if ev.finish_reason is not None:
+                    text += detok.flush()
+                out, hit = stops.feed(text)
+                if hit:
+                    finished = True
+                    await self.redis.rpush(self.keys.cancels, encode(Cancel(p.request_id)))
+                    yield out, TokenEvent(ev.request_id, ev.index, ev.token_ids, ev.logprobs,
+                                          "stop", None, ev.prompt_tokens, next_index)
+                    return
+                if ev.finish_reason is not None:
+                    finished = True
+                    yield out + stops.flush(), ev
+                    return
+                yield out, ev
+        finally:
+            self.queues.pop(p.request_id, None)
+            if not finished:
+                await self.redis.rpush(self.keys.cancels, encode(Cancel(p.request_id)))
+
+    async def ready(self) -> tuple[bool, str]:
+        assert self.redis is not None
+        try:
+            ids = [i.decode() for i in await self.redis.smembers(self.keys.workers)]
+        except Exception as e:  # noqa: BLE001 - any Redis failure means not ready
+            return False, f"redis unreachable: {e}"
+        for wid in ids:
+            if await self.redis.exists(self.keys.alive(wid)):
+                raw = await self.redis.hget(self.keys.worker(wid), "info")
+                info = decode(raw) if raw else None
+                if isinstance(info, WorkerInfo) and info.model == self.model:
+                    self.max_model_len = info.max_model_len
+                    return True, "ok"
+        return False, f"no alive worker serves {self.model}"
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _usage(ev: TokenEvent) -> dict[str, int]:
+    return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
+            "total_tokens": ev.prompt_tokens + ev.completion_tokens}
+
+
+def _finish(ev: TokenEvent) -> str | None:
+    return "stop" if ev.finish_reason == "cancelled" else ev.finish_reason
+
+
+def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal") -> FastAPI:
+    """The gateway's FastAPI application."""
+    gw = Gateway(redis_url, model, prefix)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await gw.start()
+        yield
+        await gw.stop()
+
+    app = FastAPI(title="shoal gateway", lifespan=lifespan)
+    app.state.gateway = gw
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError):
+        err = e.errors()[0] if e.errors() else {}
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        return JSONResponse(APIError(f"{loc}: {err.get('msg', 'invalid request')}",
+                                     param=loc or None).body(), status_code=400)
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz():
+        ok, why = await gw.ready()
+        return JSONResponse({"status": "ok" if ok else "unavailable", "detail": why},
+                            status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": gw.model, "object": "model", "created": 0,
+                                            "owned_by": "shoal"}]}
+
+    async def _collect(p: Prepared) -> tuple[str, TokenEvent, list[int], list[float | None]]:
+        text, last, ids, lps = "", None, [], []
+        async for piece, ev in gw.run(p):
+            text += piece
+            ids += ev.token_ids
+            lps += ev.logprobs
+            last = ev
+        assert last is not None
+        if last.finish_reason == "error":
+            raise APIError(last.error or "generation failed", status=500, kind="server_error")
+        return text, last, ids, lps
+
+    def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+        async def body():
+            async for c in chunks:
+                yield f"data: {json.dumps(c)}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        p = gw.prepare_completion(req)
+        created = int(time.time())
+        base = {"id": p.request_id, "object": "text_completion", "created": created, "model": gw.model}
+        if req.stream:
+            async def chunks():
+                async for piece, ev in gw.run(p):
+                    if piece or ev.finish_reason:
+                        yield {**base, "choices": [{"index": 0, "text": piece, "logprobs": None,
+                                                    "finish_reason": _finish(ev)}]}
+                    if ev.finish_reason and req.stream_options and req.stream_options.include_usage:
+                        yield {**base, "choices": [], "usage": _usage(ev)}
+            return _sse(chunks())
+        text, last, ids, lps = await _collect(p)
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = {"tokens": [gw.tokenizer.decode([t]) for t in ids], "token_logprobs": lps,
+                        "top_logprobs": None, "text_offset": None}
+        return {**base, "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                                     "finish_reason": _finish(last)}], "usage": _usage(last)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest):
+        p = gw.prepare_chat(req)
+        created = int(time.time())
+        base = {"id": p.request_id, "object": "chat.completion.chunk", "created": created,
+                "model": gw.model}
+        if req.stream:
+            async def chunks():
+                yield {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                            "finish_reason": None}]}
+                async for piece, ev in gw.run(p):
+                    if piece or ev.finish_reason:
+                        delta = {"content": piece} if piece else {}
+                        yield {**base, "choices": [{"index": 0, "delta": delta,
+                                                    "finish_reason": _finish(ev)}]}
+                    if ev.finish_reason and req.stream_options and req.stream_options.include_usage:
+                        yield {**base, "choices": [], "usage": _usage(ev)}
+            return _sse(chunks())
+        text, last, ids, lps = await _collect(p)
+        logprobs = None
+        if req.logprobs:
+            logprobs = {"content": [{"token": gw.tokenizer.decode([t]), "logprob": lp,
+                                     "top_logprobs": []} for t, lp in zip(ids, lps)]}
+        return {**base, "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": logprobs, "finish_reason": _finish(last)}],
+                "usage": _usage(last)}
+
+    @app.websocket("/v1/stream")
+    async def stream(ws: WebSocket):
+        await ws.accept()
+        try:
+            body = await ws.receive_json()
+            try:
+                p = (gw.prepare_chat(ChatRequest(**body)) if "messages" in body
+                     else gw.prepare_completion(CompletionRequest(**body)))
+            except ValidationError as e:
+                raise APIError(str(e.errors()[0].get("msg"))) from e
+            index = 0
+            async for piece, ev in gw.run(p):
+                for t in ev.token_ids:
+                    await ws.send_json({"type": "token", "index": index, "token_id": t,
+                                        "text": piece})
+                    piece, index = "", index + 1
+                if ev.finish_reason:
+                    await ws.send_json({"type": "done", "finish_reason": _finish(ev),
+                                        "usage": _usage(ev)})
+        except APIError as e:
+            await ws.send_json({"type": "error", "message": str(e)})
+        except WebSocketDisconnect:
+            return
+        await ws.close()
+
+    return app

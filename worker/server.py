@@ -1,0 +1,151 @@
+"""The worker process: runs the iteration plans the scheduler addresses to it.
+
+It registers (a hash plus a heartbeat key with a TTL), then loops: pop the next plan from its list,
+run one engine iteration, push the result. A thread renews the heartbeat every second with the
+current free K/V blocks. On SIGTERM it drains: it advertises `draining`, hands back any request it
+is asked to admit, finishes what it runs, deregisters and exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import redis
+
+from shoal.keys import Keys
+from shoal.messages import IterationPlan, IterationResult, TokenOutput, WorkerInfo, decode, encode
+from shoal.model_files import model_id
+from worker.engine import Engine, KVCacheFullError
+
+log = logging.getLogger("shoal.worker")
+
+
+@dataclass
+class WorkerSettings:
+    redis_url: str
+    worker_id: str = ""
+    heartbeat_interval_s: float = 1.0
+    heartbeat_ttl_s: float = 3.0
+    prefix: str = "shoal"
+
+
+class WorkerServer:
+    """Connects one engine to the fleet through Redis."""
+
+    def __init__(self, engine: Engine, model_path, settings: WorkerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.worker_id = settings.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
+        self.model = model_id(model_path)
+        self.keys = Keys(settings.prefix)
+        self.redis = redis.Redis.from_url(settings.redis_url)
+        self._draining = threading.Event()
+        self._stopped = threading.Event()
+
+    def info(self) -> WorkerInfo:
+        e = self.engine
+        return WorkerInfo(self.worker_id, self.model, e.num_total_blocks, e.num_free_blocks,
+                          e.block_size, e.cfg.max_num_seqs, e.max_model_len, len(e.running),
+                          self._draining.is_set())
+
+    def _heartbeat(self, r: redis.Redis) -> None:
+        info = encode(self.info())
+        pipe = r.pipeline(transaction=False)
+        pipe.hset(self.keys.worker(self.worker_id), "info", info)
+        pipe.set(self.keys.alive(self.worker_id), b"1", px=int(self.settings.heartbeat_ttl_s * 1000))
+        pipe.sadd(self.keys.workers, self.worker_id)
+        pipe.execute()
+
+    def _heartbeat_loop(self) -> None:
+        r = redis.Redis.from_url(self.settings.redis_url)
+        while not self._stopped.wait(self.settings.heartbeat_interval_s):
+            try:
+                self._heartbeat(r)
+            except redis.RedisError as e:
+                log.warning("heartbeat failed: %s", e)
+
+    def _deregister(self) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.srem(self.keys.workers, self.worker_id)
+        pipe.delete(self.keys.worker(self.worker_id), self.keys.alive(self.worker_id),
+                    self.keys.plans(self.worker_id))
+        pipe.execute()
+
+    def drain(self, *_: object) -> None:
+        """Stop taking new requests; the loop exits once the running ones are done."""
+        self._draining.set()
+
+    def run(self) -> int:
+        """Serve until drained. Returns the process exit status."""
+        signal.signal(signal.SIGTERM, self.drain)
+        signal.signal(signal.SIGINT, self.drain)
+        self._heartbeat(self.redis)
+        threading.Thread(target=self._heartbeat_loop, daemon=True).start()
+        log.info("worker %s serving %s with %d K/V blocks", self.worker_id, self.model,
+                 self.engine.num_total_blocks)
+        try:
+            while not (self._draining.is_set() and not self.engine.running):
+                item = self.redis.blpop([self.keys.plans(self.worker_id)], timeout=0.5)
+                if item is None:
+                    continue
+                plan = decode(item[1])
+                assert isinstance(plan, IterationPlan)
+                self.redis.rpush(self.keys.results, encode(self.step(plan)))
+        finally:
+            self._stopped.set()
+            self._heartbeat(self.redis)  # last word: draining, with what is left
+            self._deregister()
+        return 0
+
+    def step(self, plan: IterationPlan) -> IterationResult:
+        """One iteration; admissions while draining and requests preempted for lack of K/V blocks
+        are handed back with `finish_reason="preempted"` for the scheduler to place again."""
+        handed_back: list[TokenOutput] = []
+        if self._draining.is_set() and plan.admit:
+            handed_back += [TokenOutput(a.request_id, None, len(a.output_token_ids),
+                                        finish_reason="preempted") for a in plan.admit]
+            plan = IterationPlan(plan.iteration, [], plan.run, plan.release)
+        while True:
+            try:
+                result = self.engine.step(plan)
+                break
+            except KVCacheFullError:
+                # Preempt the newest request (recompute later), as vLLM does; admissions and
+                # releases of the plan already took effect.
+                victim = list(self.engine.running)[-1]
+                seq = self.engine.running[victim]
+                handed_back.append(TokenOutput(victim, None, seq.num_output_tokens,
+                                               finish_reason="preempted"))
+                self.engine.release(victim)
+                plan = IterationPlan(plan.iteration, [], None, [])
+        return IterationResult(self.worker_id, result.iteration, handed_back + result.outputs,
+                               self.engine.num_free_blocks, result.num_prefill_tokens,
+                               result.num_decode_tokens, result.step_seconds)
+
+
+def default_worker_id() -> str:
+    return f"{os.uname().nodename}-{os.getpid()}"
+
+
+def wait_for_redis(url: str, timeout_s: float = 30.0) -> None:
+    """Block until Redis answers PING.
+
+    Raises:
+        ConnectionError: it did not answer within `timeout_s` seconds.
+    """
+    r = redis.Redis.from_url(url)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            r.ping()
+            return
+        except redis.ConnectionError as e:
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"Redis at {url} did not answer: {e}") from e
+            time.sleep(0.2)
