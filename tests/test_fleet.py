@@ -1,0 +1,197 @@
+"""The fleet end to end: a real redis-server, real scheduler / worker / gateway processes, the real
+model (float32 so the in-process engine is an exact oracle), the official `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from shoal.fleet import free_port, start_redis, stop_all, wait_ready, worker_env
+from shoal.messages import NewRequest
+from shoal.sampling_params import SamplingParams
+from tests.conftest import make_engine
+from worker.offline import generate
+
+
+def _shoal(*args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "shoal.cli", *args], **kw)
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    rport, gport = free_port(), free_port()
+    procs = [start_redis(rport)]
+    url = f"redis://127.0.0.1:{rport}/0"
+    procs.append(_shoal("scheduler", "--redis-url", url))
+    procs.append(_shoal("worker", "--redis-url", url, "--worker-id", "w0", "--dtype", "float32",
+                        "--kv-cache-bytes", str(256 << 20), "--threads", "1", env=worker_env(1)))
+    procs.append(_shoal("gateway", "--redis-url", url, "--port", str(gport)))
+    base = f"http://127.0.0.1:{gport}"
+    try:
+        wait_ready(base, procs, timeout_s=180)
+        yield {"url": base, "redis": url, "procs": procs}
+    finally:
+        stop_all(procs)
+
+
+@pytest.fixture(scope="module")
+def oracle(fp32_model, tokenizer):
+    """Greedy tokens from the in-process engine for the same prompt ids."""
+    engine = make_engine(fp32_model)
+
+    def run(ids, max_tokens):
+        out = generate(engine, [NewRequest("o", ids, SamplingParams(max_tokens=max_tokens, temperature=0))])
+        return out["o"].token_ids
+    return run
+
+
+def _chat_ids(tokenizer, text):
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                              add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
+
+
+def test_openai_client_chat_and_completions(fleet, oracle, tokenizer):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=fleet["url"] + "/v1", api_key="none")
+    question = "What is the capital of France?"
+    expected_ids = oracle(_chat_ids(tokenizer, question), 24)
+    expected = tokenizer.decode(expected_ids, skip_special_tokens=True)
+
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=24, temperature=0,
+                                       messages=[{"role": "user", "content": question}])
+    assert r.choices[0].message.content == expected
+    assert r.usage.prompt_tokens == len(_chat_ids(tokenizer, question))
+    assert r.usage.completion_tokens == len(expected_ids)
+
+    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=24,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            messages=[{"role": "user", "content": question}])
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected
+    assert chunks[-1].usage.completion_tokens == len(expected_ids)
+
+    prompt = "Once upon a time"
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    exp = tokenizer.decode(oracle(ids, 16), skip_special_tokens=True)
+    c = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=16, temperature=0)
+    assert c.choices[0].text == exp and c.usage.prompt_tokens == len(ids)
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=16, temperature=0, stream=True))
+    assert streamed == exp
+    by_ids = client.completions.create(model="SmolLM2-135M-Instruct", prompt=ids, max_tokens=16, temperature=0)
+    assert by_ids.choices[0].text == exp
+
+
+def test_websocket_receives_the_same_tokens(fleet, oracle, tokenizer):
+    import websockets.sync.client as wsc
+
+    ids = tokenizer.encode("The ocean is", add_special_tokens=False)
+    expected = oracle(ids, 10)
+    with wsc.connect(fleet["url"].replace("http", "ws") + "/v1/stream") as ws:
+        ws.send(json.dumps({"prompt": "The ocean is", "max_tokens": 10, "temperature": 0}))
+        msgs = []
+        while True:
+            m = json.loads(ws.recv())
+            msgs.append(m)
+            if m["type"] in ("done", "error"):
+                break
+    tokens = [m["token_id"] for m in msgs if m["type"] == "token"]
+    assert tokens == expected
+    assert [m["index"] for m in msgs if m["type"] == "token"] == list(range(len(expected)))
+    assert msgs[-1]["usage"]["completion_tokens"] == len(expected)
+    assert "".join(m["text"] for m in msgs if m["type"] == "token") == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_concurrent_streaming_clients(fleet, oracle, tokenizer):
+    prompts = [f"Write a short line about the number {i}." for i in range(32)]
+
+    async def one(client, p):
+        text = ""
+        async with client.stream("POST", fleet["url"] + "/v1/completions",
+                                 json={"prompt": p, "max_tokens": 8, "temperature": 0, "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    texts = asyncio.run(main())
+    for p, t in zip(prompts, texts):
+        ids = tokenizer.encode(p, add_special_tokens=False)
+        assert t == tokenizer.decode(oracle(ids, 8), skip_special_tokens=True), p
+
+
+def test_bad_requests_get_openai_errors(fleet):
+    cases = [
+        ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": [99999999]}, "prompt"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ]
+    for path, body, param in cases:
+        r = httpx.post(fleet["url"] + path, json=body, timeout=30)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and param in (err["param"] or ""), err
+    r = httpx.post(fleet["url"] + "/v1/completions", json={"prompt": "x", "model": "gpt-9"}, timeout=30)
+    assert r.status_code == 404 and "gpt-9" in r.json()["error"]["message"]
+
+
+def test_stop_strings_cut_the_text(fleet, oracle, tokenizer):
+    ids = tokenizer.encode("1, 2, 3, 4,", add_special_tokens=False)
+    full = tokenizer.decode(oracle(ids, 20), skip_special_tokens=True)
+    stop = full[4:6]
+    assert stop and stop in full
+    r = httpx.post(fleet["url"] + "/v1/completions", timeout=60,
+                   json={"prompt": "1, 2, 3, 4,", "max_tokens": 20, "temperature": 0, "stop": [stop]})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == full[: full.index(stop)] and choice["finish_reason"] == "stop"
+
+
+def test_models_health_and_readiness(fleet):
+    assert httpx.get(fleet["url"] + "/healthz").json()["status"] == "ok"
+    assert httpx.get(fleet["url"] + "/readyz").status_code == 200
+    assert httpx.get(fleet["url"] + "/v1/models").json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
+
+
+def test_shoal_up_serves_and_stops_cleanly():
+    port = free_port()
+    up = subprocess.Popen([sys.executable, "-m", "shoal.cli", "up", "--port", str(port),
+                           "--kv-cache-bytes", str(128 << 20), "--threads", "1"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = ""
+        deadline = time.monotonic() + 180
+        while "ready at" not in line and time.monotonic() < deadline:
+            line = up.stdout.readline()
+            assert line or up.poll() is None, "shoal up exited early"
+        chat = subprocess.run([sys.executable, "-m", "shoal.cli", "chat", "--url",
+                               f"http://127.0.0.1:{port}", "--max-tokens", "12",
+                               "What is the capital of France?"], capture_output=True, text=True,
+                              timeout=120)
+        assert chat.returncode == 0 and "Paris" in chat.stdout, chat.stdout + chat.stderr
+        children = subprocess.run(["pgrep", "-P", str(up.pid)], capture_output=True, text=True)
+        pids = [int(p) for p in children.stdout.split()]
+        assert len(pids) >= 4  # redis, scheduler, worker, gateway
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0
+    time.sleep(0.5)
+    for pid in pids:
+        assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0, pid
