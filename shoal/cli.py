@@ -102,6 +102,8 @@ def _build_parser() -> argparse.ArgumentParser:
     c.add_argument("--url", default="http://127.0.0.1:8000")
     c.add_argument("--max-tokens", type=_positive_int, default=256)
     c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--wait", type=float, default=0.0,
+                   help="seconds to wait for the gateway's /readyz first (e.g. right after shoal up)")
     c.add_argument("message")
     return parser
 
@@ -239,6 +241,13 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
     import httpx
 
+    if args.wait:
+        from shoal.fleet import wait_ready
+
+        try:
+            wait_ready(args.url, [], args.wait)
+        except RuntimeError as e:
+            raise CLIError(f"{args.url}: {e}") from e
     body = {"messages": [{"role": "user", "content": args.message}], "stream": True,
             "max_tokens": args.max_tokens, "temperature": args.temperature}
     try:
