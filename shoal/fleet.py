@@ -111,6 +111,7 @@ def stop_all(procs: list[subprocess.Popen], timeout_s: float = 20.0) -> None:
 def up(host: str, port: int, workers: int, redis_url: str | None, worker_args: list[str],
        threads: int | None) -> int:
     procs: list[subprocess.Popen] = []
+    redis_proc: subprocess.Popen | None = None
     stopping = False
 
     def _stop(*_: object) -> None:
@@ -122,7 +123,7 @@ def up(host: str, port: int, workers: int, redis_url: str | None, worker_args: l
     try:
         if redis_url is None:
             rport = free_port()
-            procs.append(start_redis(rport))
+            redis_proc = start_redis(rport)
             redis_url = f"redis://127.0.0.1:{rport}/0"
         procs.append(subprocess.Popen(_shoal("scheduler", "--redis-url", redis_url)))
         for i in range(workers):
@@ -134,13 +135,15 @@ def up(host: str, port: int, workers: int, redis_url: str | None, worker_args: l
         procs.append(subprocess.Popen(_shoal("gateway", "--redis-url", redis_url, "--host", host,
                                              "--port", str(port), *model_args)))
         url = f"http://{host}:{port}"
-        wait_ready(url, procs, timeout_s=180)
+        wait_ready(url, procs + ([redis_proc] if redis_proc else []), timeout_s=180)
         print(f"shoal fleet ready at {url} (redis {redis_url}, {workers} workers)", flush=True)
         while not stopping:
-            if any(p.poll() is not None for p in procs):
+            if any(p.poll() is not None for p in procs + [redis_proc] if p is not None):
                 print("shoal: a fleet process exited; stopping", file=sys.stderr)
                 return 1
             time.sleep(0.2)
         return 0
     finally:
-        stop_all(procs)
+        stop_all(procs)  # workers drain and deregister through Redis: stop Redis last
+        if redis_proc is not None:
+            stop_all([redis_proc])
