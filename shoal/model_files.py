@@ -65,7 +65,7 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
 
 def model_id(path: Path) -> str:
     """The name a model is served under: the file stem or directory name ("SmolLM2-135M-Instruct")."""
-    name = path.stem if path.is_file() else path.name
+    name = path.stem if path.suffix == ".gguf" else path.name
     # Quantisation suffixes are a property of the file, not of the model clients ask for.
     for suffix in (".Q4_0", ".Q4_1", ".Q8_0", ".Q4_K_M", ".Q6_K", ".F16", ".F32"):
         if name.endswith(suffix):
