@@ -105,6 +105,13 @@ def _build_parser() -> argparse.ArgumentParser:
     c.add_argument("--wait", type=float, default=0.0,
                    help="seconds to wait for the gateway's /readyz first (e.g. right after shoal up)")
     c.add_argument("message")
+    bs = bsub.add_parser("serve", help="a workload through a running gateway (OpenAI API, streaming)")
+    bs.add_argument("--url", default="http://127.0.0.1:8000")
+    bs.add_argument("--quick", action="store_true", help="a small run (figures not meaningful)")
+    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--vocab-size", type=_positive_int, default=49152,
+                    help="token ids of random prompts are drawn below this")
+    bs.add_argument("--output", default="bench-results/serve.json", help="JSON file for the figures")
     return parser
 
 
@@ -166,6 +173,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench == "serve":
+        return _cmd_bench_serve(args)
     from shoal.model_files import resolve_model_path
 
     cfg = _engine_config(args)
@@ -265,6 +274,21 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         raise CLIError(f"cannot reach the gateway at {args.url}: {e}") from e
     sys.stdout.write("\n")
     return 0
+
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import httpx
+
+    from shoal.bench_serve import print_and_write, run_serve_bench
+
+    try:
+        figures = asyncio.run(run_serve_bench(args.url, args.quick, args.seed, args.vocab_size))
+    except httpx.HTTPError as e:
+        raise CLIError(f"cannot reach the gateway at {args.url}: {e}") from e
+    print_and_write(figures, args.output)
+    return 1 if figures["errors"] else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

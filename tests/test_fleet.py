@@ -38,7 +38,8 @@ def fleet():
         wait_ready(base, procs, timeout_s=180)
         yield {"url": base, "redis": url, "procs": procs}
     finally:
-        stop_all(procs)
+        stop_all(procs[1:])  # the fleet first, Redis last
+        stop_all(procs[:1])
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +196,64 @@ def test_shoal_up_serves_and_stops_cleanly():
     time.sleep(0.5)
     for pid in pids:
         assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0, pid
+
+
+def test_bench_serve_quick_writes_its_json(fleet, tmp_path):
+    out = tmp_path / "serve.json"
+    r = subprocess.run([sys.executable, "-m", "shoal.cli", "bench", "serve", "--quick", "--url",
+                        fleet["url"], "--output", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    figures = json.loads(out.read_text())
+    assert figures["errors"] == 0 and figures["requests"] == 8
+    # Output lengths are forced: every request generated exactly its max_tokens.
+    from shoal.workloads import W64_QUICK, make_requests
+
+    expected = sum(q.max_tokens for q in make_requests(W64_QUICK, 49152, 0))
+    assert figures["generated_tokens"] == expected
+    assert all(t["ttft_s"] is not None for t in figures["per_request"])
+
+
+def test_worker_drains_on_sigterm(fleet):
+    """A second, larger worker joins and gets the next requests (most free K/V); SIGTERM mid-
+    generation: it finishes what it runs, deregisters and exits 0; the clients get full replies."""
+    import threading
+
+    import redis
+
+    from shoal.messages import decode
+
+    r = redis.Redis.from_url(fleet["redis"])
+    w = _shoal("worker", "--redis-url", fleet["redis"], "--worker-id", "w-drain", "--dtype", "float32",
+               "--kv-cache-bytes", str(512 << 20), "--threads", "1", env=worker_env(1))
+    try:
+        deadline = time.monotonic() + 120
+        while not r.sismember("shoal:workers", "w-drain"):
+            assert time.monotonic() < deadline and w.poll() is None
+            time.sleep(0.2)
+        time.sleep(1.0)  # the scheduler reads the registry every 0.25 s
+        results = []
+
+        def one(i):
+            results.append(httpx.post(fleet["url"] + "/v1/completions", timeout=300, json={
+                "prompt": f"Count slowly to {i}:", "max_tokens": 120, "temperature": 0,
+                "ignore_eos": True}).json())
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while True:  # the heartbeat (every second) reports what it runs
+            raw = r.hget("shoal:worker:w-drain", "info")
+            if raw and decode(raw).num_running > 0:
+                break
+            assert time.monotonic() < deadline, "w-drain never ran a request"
+            time.sleep(0.05)
+        w.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(300)
+        assert w.wait(120) == 0
+        assert [res["usage"]["completion_tokens"] for res in results] == [120] * 4, results
+        assert not r.sismember("shoal:workers", "w-drain")
+    finally:
+        if w.poll() is None:
+            w.kill()

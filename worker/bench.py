@@ -10,43 +10,26 @@ times decode iterations at batch 1, 8, 32 and 64 and one prefill iteration.
 from __future__ import annotations
 
 import json
-import random
 import resource
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from shoal.messages import IterationPlan, NewRequest
 from shoal.sampling_params import SamplingParams
+from shoal.workloads import W64, W64_QUICK, BenchRequest, make_requests
 from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.offline import stream
 
 
-@dataclass(frozen=True)
-class Workload:
-    num_requests: int
-    prompt_len: tuple[int, int]
-    output_len: tuple[int, int]
-
-
-W64 = Workload(64, (32, 256), (1, 64))
-W64_QUICK = Workload(8, (16, 64), (1, 8))
-
-
-def make_requests(w: Workload, vocab_size: int, seed: int, prefix: str = "w") -> list[NewRequest]:
-    """The workload's requests: random prompt ids, forced output lengths, greedy."""
-    rng = random.Random(seed)
-    reqs = []
-    for i in range(w.num_requests):
-        prompt = [rng.randrange(vocab_size) for _ in range(rng.randint(*w.prompt_len))]
-        params = SamplingParams(max_tokens=rng.randint(*w.output_len), temperature=0.0,
-                                ignore_eos=True)
-        reqs.append(NewRequest(f"{prefix}{i}", prompt, params))
-    return reqs
+def to_engine_requests(reqs: list[BenchRequest]) -> list[NewRequest]:
+    """Greedy, EOS ignored: every request generates exactly its `max_tokens`."""
+    return [NewRequest(r.request_id, r.prompt_token_ids,
+                       SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True))
+            for r in reqs]
 
 
 def run_workload(engine: Engine, reqs: list[NewRequest]) -> dict[str, float]:
@@ -147,9 +130,9 @@ def run_engine_bench(path: Path, cfg: EngineConfig, quick: bool, baseline: bool,
     vocab = engine.model_cfg.vocab_size
     workload = W64_QUICK if quick else W64
     with console.status("warming up"):
-        run_workload(engine, make_requests(W64_QUICK, vocab, seed + 1, prefix="warm"))
+        run_workload(engine, to_engine_requests(make_requests(W64_QUICK, vocab, seed + 1, "warm")))
     with console.status("W64 through the engine"):
-        ours = run_workload(engine, make_requests(workload, vocab, seed))
+        ours = run_workload(engine, to_engine_requests(make_requests(workload, vocab, seed)))
     batches = (1, 8) if quick else (1, 8, 32, 64)
     steps = 4 if quick else 32
     decode = {}
@@ -161,7 +144,8 @@ def run_engine_bench(path: Path, cfg: EngineConfig, quick: bool, baseline: bool,
     base = None
     if baseline:
         with console.status("W64 through transformers static batches of 8"):
-            base = transformers_static_batches(path, cfg.dtype, make_requests(workload, vocab, seed))
+            base = transformers_static_batches(path, cfg.dtype,
+                                               to_engine_requests(make_requests(workload, vocab, seed)))
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     table = Table(title=f"shoal bench engine ({'quick' if quick else 'W64'}, {str(cfg.dtype).removeprefix('torch.')}, "
