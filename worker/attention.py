@@ -10,10 +10,9 @@ request attends to its own K/V. The flat batch is ordered decodes first, then pr
   positions past each request's length masked. Measured on this CPU (bfloat16, 64 decodes,
   contexts 32-320): gather 0.7 ms and attention 0.6-0.8 ms per layer, where a Python loop of SDPA
   calls costs 6-8 ms.
-- **Prefill** chunks (several new tokens) each run one SDPA call, causal among the new tokens and
-  seeing the request's cached prefix (chunked prefill). There are few per iteration
-  (`max_num_batched_tokens` bounds them), so the loop is cheap. SDPA runs in float32: on this CPU
-  it is 3-6x slower in bfloat16.
+- **Prefill** chunks (several new tokens) each run batched matmul + softmax over their own K/V,
+  causal among the new tokens and seeing the request's cached prefix (chunked prefill). There are
+  few per iteration (`max_num_batched_tokens` bounds them), so the loop is cheap.
 
 The metadata is built once per iteration by `build_metadata` and shared by all layers.
 """
@@ -23,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass
@@ -153,21 +151,51 @@ def paged_attention(
         out[:nd] = od.view(hkv, nd, group * d).transpose(0, 1).reshape(nd, hq * d)
 
     for span in meta.prefills:
-        length = span.end - span.start
-        qs = q[span.start : span.end].transpose(0, 1)  # [Hq, L, D]
+        total = span.num_cached + (span.end - span.start)
         if span.num_cached == 0:  # whole prompt in this chunk: its K/V are the new ones
             ks = k[span.start : span.end].transpose(0, 1)
             vs = v[span.start : span.end].transpose(0, 1)
-            mask = None
         else:
-            total = span.num_cached + length
             ks = k_pool.index_select(1, span.block_table).view(hkv, -1, d)[:, :total]
             vs = v_pool.index_select(1, span.block_table).view(hkv, -1, d)[:, :total]
-            # Query i sits at position num_cached + i and sees keys 0 .. num_cached + i.
-            mask = torch.arange(total)[None, :] <= (torch.arange(length) + span.num_cached)[:, None]
-        o = F.scaled_dot_product_attention(
-            qs.float(), ks.float(), vs.float(), attn_mask=mask, is_causal=mask is None, scale=scale,
-            enable_gqa=group > 1,
-        )
-        out[span.start : span.end] = o.transpose(0, 1).reshape(length, hq * d).to(q.dtype)
+        out[span.start : span.end] = _prefill_attention(q[span.start : span.end], ks, vs,
+                                                        span.num_cached, scale)
+    return out
+
+
+PREFILL_QUERY_BLOCK = 256  # query rows per score matrix: bounds memory at [Hq, 256, T] floats
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int,
+                       scale: float) -> torch.Tensor:
+    """Causal attention of one request's chunk.
+
+    Batched matmul + float32 softmax, queries grouped by K/V head (`[Hkv, G * rows, D]` against
+    `[Hkv, T, D]`), so no K/V head is repeated. Measured on a 2,048-token prefill here: SDPA's CPU
+    flash kernel took 26% of the step (math fallback with GQA: 33%), this path about 5%.
+
+    Args:
+        q: `[L, Hq, D]` the chunk's queries; query i sits at position `num_cached + i`.
+        k, v: `[Hkv, num_cached + L, D]` the request's keys and values up to the chunk's end.
+        num_cached: tokens before the chunk.
+        scale: softmax scale.
+
+    Returns:
+        `[L, Hq * D]` in q's dtype.
+    """
+    length, hq, d = q.shape
+    hkv = k.shape[0]
+    group = hq // hkv
+    out = torch.empty((length, hq * d), dtype=q.dtype)
+    for i0 in range(0, length, PREFILL_QUERY_BLOCK):
+        i1 = min(length, i0 + PREFILL_QUERY_BLOCK)
+        rows, keys = i1 - i0, num_cached + i1  # later keys are masked for every row of the block
+        qb = q[i0:i1].view(rows, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * rows, d)
+        scores = torch.bmm(qb, k[:, :keys].transpose(1, 2)).float().mul_(scale)
+        pos = torch.arange(i0, i1) + num_cached
+        future = torch.arange(keys)[None, :] > pos[:, None]  # [rows, keys]
+        scores.view(hkv, group, rows, keys).masked_fill_(future, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        ob = torch.bmm(probs, v[:, :keys])  # [Hkv, G * rows, D]
+        out[i0:i1] = ob.view(hkv, group, rows, d).permute(2, 0, 1, 3).reshape(rows, hq * d)
     return out
