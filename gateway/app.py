@@ -132,6 +132,7 @@ class Gateway:
         self.tokenizer: Any = None
         self.redis: aioredis.Redis | None = None
         self._listener: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
         self.max_model_len = 8192
 
     async def start(self) -> None:
@@ -236,7 +237,7 @@ class Gateway:
                 out, hit = stops.feed(text)
                 if hit:
                     finished = True
-                    await self.redis.rpush(self.keys.cancels, encode(Cancel(p.request_id)))
+                    self._cancel_soon(p.request_id)
                     yield out, TokenEvent(ev.request_id, ev.index, ev.token_ids, ev.logprobs,
                                           "stop", None, ev.prompt_tokens, next_index)
                     return
@@ -248,7 +249,17 @@ class Gateway:
         finally:
             self.queues.pop(p.request_id, None)
             if not finished:
-                await self.redis.rpush(self.keys.cancels, encode(Cancel(p.request_id)))
+                self._cancel_soon(p.request_id)
+
+    def _cancel_soon(self, request_id: str) -> None:
+        """Tell the scheduler to drop a request, from a task of its own: when a client disconnects,
+        the streaming response's cancel scope cancels every await of the request's own task,
+        the one in its `finally` included, so the cancel must not be awaited there."""
+        assert self.redis is not None
+        task = asyncio.get_running_loop().create_task(
+            self.redis.rpush(self.keys.cancels, encode(Cancel(request_id))))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def ready(self) -> tuple[bool, str]:
         assert self.redis is not None

@@ -213,6 +213,57 @@ def test_bench_serve_quick_writes_its_json(fleet, tmp_path):
     assert all(t["ttft_s"] is not None for t in figures["per_request"])
 
 
+def test_placement_follows_free_kv_and_disconnects_free_blocks(fleet):
+    """w0 has 364 K/V blocks, w-big 728. Each request reserves prompt + max_tokens = 126 blocks,
+    so w-big takes the first three (728 -> 602 -> 476 -> 350 < 364) and w0 the fourth. Clients
+    that go away are cancelled and every block comes back."""
+    import redis
+
+    from shoal.messages import decode
+
+    r = redis.Redis.from_url(fleet["redis"])
+    big = _shoal("worker", "--redis-url", fleet["redis"], "--worker-id", "w-big", "--dtype", "float32",
+                 "--kv-cache-bytes", str(512 << 20), "--threads", "1", env=worker_env(1))
+
+    def info(wid):
+        return decode(r.hget(f"shoal:worker:{wid}", "info"))
+
+    client = httpx.Client(timeout=120)
+    streams: list = []
+
+    def close_all():
+        while streams:
+            streams.pop()[0].__exit__(None, None, None)
+
+    try:
+        deadline = time.monotonic() + 120
+        while not r.sismember("shoal:workers", "w-big"):
+            assert time.monotonic() < deadline and big.poll() is None
+            time.sleep(0.2)
+        time.sleep(1.0)  # the scheduler reads the registry every 0.25 s
+        assert (info("w0").num_total_blocks, info("w-big").num_total_blocks) == (364, 728)
+        for i in range(4):  # one at a time, each running before the next arrives
+            cm = client.stream("POST", fleet["url"] + "/v1/completions", json={
+                "prompt": "Tell a long story.", "max_tokens": 2000 - 5, "temperature": 0,
+                "ignore_eos": True, "stream": True})
+            lines = cm.__enter__().iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            streams.append((cm, lines))  # keep the generator: collecting it closes the stream
+        time.sleep(2.5)  # heartbeats every second carry the running count
+        assert (info("w-big").num_running, info("w0").num_running) == (3, 1)
+        close_all()  # the clients go away mid-stream
+        deadline = time.monotonic() + 30
+        while info("w-big").num_free_blocks != 728 or info("w0").num_free_blocks != 364 \
+                or info("w-big").num_running or info("w0").num_running:
+            assert time.monotonic() < deadline, (info("w0"), info("w-big"))
+            time.sleep(0.2)
+    finally:
+        close_all()
+        client.close()
+        big.send_signal(signal.SIGTERM)
+        assert big.wait(60) == 0
+
+
 def test_worker_drains_on_sigterm(fleet):
     """A second, larger worker joins and gets the next requests (most free K/V); SIGTERM mid-
     generation: it finishes what it runs, deregisters and exits 0; the clients get full replies."""
