@@ -34,7 +34,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="weights, activations and K/V cache dtype (default: bfloat16)")
     p.add_argument("--kv-cache-bytes", type=_positive_int, default=None,
-                   help="K/V cache size in bytes (default: 10%% of available memory)")
+                   help="K/V cache size in bytes (default: --kv-cache-memory-fraction)")
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=0.1,
+                   help="share of available memory for the K/V cache when --kv-cache-bytes is "
+                        "not given (default 0.1)")
     p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per K/V block")
     p.add_argument("--max-num-seqs", type=_positive_int, default=256,
                    help="most requests in one iteration")
@@ -121,10 +124,21 @@ def _engine_config(args: argparse.Namespace):
     try:
         return EngineConfig(
             dtype=DTYPES[args.dtype], block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
+            kv_cache_memory_fraction=args.kv_cache_memory_fraction,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
         )
     except ValueError as e:
+        raise CLIError(str(e)) from e
+
+
+def _load_engine(path, cfg):
+    """The engine, with a model or budget problem turned into a one-line CLI error."""
+    from worker.engine import Engine
+
+    try:
+        return Engine.from_path(path, cfg)
+    except ValueError as e:  # unsupported architecture or quant type, K/V budget too small
         raise CLIError(str(e)) from e
 
 
@@ -150,7 +164,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     cfg = _engine_config(args)
     path = resolve_model_path(args.model)
     _set_threads(args)
-    from worker.engine import Engine
     from worker.offline import stream
 
     tokenizer = load_tokenizer(path)
@@ -160,14 +173,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             return_dict=True)["input_ids"])
     else:
         ids = tokenizer.encode(args.prompt, add_special_tokens=False)
-    engine = Engine.from_path(path, cfg)
+    engine = _load_engine(path, cfg)
     detok = IncrementalDetokenizer(tokenizer)
-    for out in stream(engine, [NewRequest("generate-0", ids, params)]):
-        if out.error:
-            raise CLIError(out.error)
-        if out.token_id is not None:
-            sys.stdout.write(detok.add(out.token_id))
-            sys.stdout.flush()
+    try:
+        for out in stream(engine, [NewRequest("generate-0", ids, params)]):
+            if out.error:
+                raise CLIError(out.error)
+            if out.token_id is not None:
+                sys.stdout.write(detok.add(out.token_id))
+                sys.stdout.flush()
+    except ValueError as e:  # the request can never fit in the K/V cache
+        raise CLIError(str(e)) from e
     sys.stdout.write(detok.flush() + "\n")
     return 0
 
@@ -180,10 +196,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     cfg = _engine_config(args)
     path = resolve_model_path(args.model)
     _set_threads(args)
+    import time
+
     from worker.bench import run_engine_bench
 
-    run_engine_bench(path, cfg, quick=args.quick, baseline=not args.no_baseline,
-                     output=args.output, seed=args.seed)
+    t0 = time.perf_counter()
+    engine = _load_engine(path, cfg)
+    run_engine_bench(path, engine, time.perf_counter() - t0, quick=args.quick,
+                     baseline=not args.no_baseline, output=args.output, seed=args.seed)
     return 0
 
 
@@ -200,14 +220,13 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     path = resolve_model_path(args.model)
     _set_threads(args)
     _setup_logging()
-    from worker.engine import Engine
     from worker.server import WorkerServer, WorkerSettings, default_worker_id, wait_for_redis
 
     try:
         wait_for_redis(args.redis_url)
     except ConnectionError as e:
         raise CLIError(str(e)) from e
-    engine = Engine.from_path(path, cfg)
+    engine = _load_engine(path, cfg)
     settings = WorkerSettings(args.redis_url, args.worker_id or default_worker_id(), prefix=args.prefix)
     return WorkerServer(engine, path, settings).run()
 

@@ -38,6 +38,8 @@ def test_bad_arguments_fail_clearly(tmp_path):
         (["generate", "--model", str(tmp_path / "missing.gguf"), "hi"], "does not exist"),
         (["generate", ""], "empty"),
         (["generate", "--top-p", "2", "hi"], "top_p"),
+        (["generate", "--kv-cache-memory-fraction", "1.5", "hi"], "kv_cache_memory_fraction"),
+        (["generate", "--kv-cache-bytes", "1000", "hi"], "K/V"),
     ]:
         r = _shoal(*args)
         assert r.returncode != 0

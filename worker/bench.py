@@ -20,7 +20,6 @@ import torch
 from shoal.messages import IterationPlan, NewRequest
 from shoal.sampling_params import SamplingParams
 from shoal.workloads import W64, W64_QUICK, BenchRequest, make_requests
-from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.offline import stream
 
@@ -117,16 +116,15 @@ def transformers_static_batches(path: Path, dtype: torch.dtype, reqs: list[NewRe
             "generated_tokens_per_s": generated / elapsed}
 
 
-def run_engine_bench(path: Path, cfg: EngineConfig, quick: bool, baseline: bool, output: str,
-                     seed: int) -> dict:
-    """Run the benchmark, print a table and write the figures as JSON to `output`."""
+def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, baseline: bool,
+                     output: str, seed: int) -> dict:
+    """Run the benchmark on `engine` (loaded from `path` in `load_s` seconds), print a table and
+    write the figures as JSON to `output`."""
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
-    t0 = time.perf_counter()
-    engine = Engine.from_path(path, cfg)
-    load_s = time.perf_counter() - t0
+    cfg = engine.cfg
     vocab = engine.model_cfg.vocab_size
     workload = W64_QUICK if quick else W64
     with console.status("warming up"):

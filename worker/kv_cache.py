@@ -109,11 +109,19 @@ class KVCache:
         cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_bytes: int | None,
         memory_fraction: float,
     ) -> int:
-        """Blocks that fit in `kv_cache_bytes`, or in `memory_fraction` of available memory."""
+        """Blocks that fit in `kv_cache_bytes`, or in `memory_fraction` of available memory.
+
+        Raises:
+            ValueError: the budget holds not even one block.
+        """
         budget = kv_cache_bytes if kv_cache_bytes is not None else int(
             available_memory_bytes() * memory_fraction
         )
-        return budget // bytes_per_block(cfg, block_size, dtype)
+        per_block = bytes_per_block(cfg, block_size, dtype)
+        if budget < per_block:
+            raise ValueError(f"a K/V cache of {budget} bytes holds no block; one block of "
+                             f"{block_size} tokens takes {per_block} bytes")
+        return budget // per_block
 
     @property
     def num_free_blocks(self) -> int:
