@@ -20,9 +20,11 @@ from typing import Any, Literal
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field, ValidationError
 
+from gateway import metrics
 from shoal.detokenizer import IncrementalDetokenizer
 from shoal.keys import Keys
 from shoal.messages import Cancel, RequestSubmission, TokenEvent, WorkerInfo, decode, encode
@@ -218,6 +220,10 @@ class Gateway:
         sub = RequestSubmission(p.request_id, self.model, p.prompt_ids, p.params, time.time(),
                                 self.channel)
         finished = False
+        t0 = time.perf_counter()
+        last_token_t: float | None = None
+        metrics.PROMPT_TOKENS.inc(len(p.prompt_ids))
+        metrics.ACTIVE_STREAMS.inc()
         try:
             await self.redis.xadd(self.keys.requests, {"m": encode(sub)})
             detok = IncrementalDetokenizer(self.tokenizer)
@@ -229,8 +235,15 @@ class Gateway:
                     continue  # a duplicate after a failover
                 skip = max(0, next_index - ev.index)
                 text = ""
+                now = time.perf_counter()
                 for t in ev.token_ids[skip:]:
                     text += detok.add(t)
+                    if last_token_t is None:
+                        metrics.TTFT.observe(now - t0)
+                    else:
+                        metrics.ITL.observe(now - last_token_t)
+                    last_token_t = now
+                    metrics.GENERATION_TOKENS.inc()
                 next_index = max(next_index, ev.index + len(ev.token_ids))
                 if ev.finish_reason is not None:
                     text += detok.flush()
@@ -248,7 +261,10 @@ class Gateway:
                 yield out, ev
         finally:
             self.queues.pop(p.request_id, None)
-            if not finished:
+            metrics.ACTIVE_STREAMS.dec()
+            if finished:
+                metrics.E2E.observe(time.perf_counter() - t0)
+            else:
                 self._cancel_soon(p.request_id)
 
     def _cancel_soon(self, request_id: str) -> None:
@@ -315,6 +331,18 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal") 
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
         return JSONResponse(APIError(f"{loc}: {err.get('msg', 'invalid request')}",
                                      param=loc or None).body(), status_code=400)
+
+    @app.middleware("http")
+    async def _count_requests(request: Request, call_next):
+        response = await call_next(request)
+        route = request.scope.get("route")
+        endpoint = getattr(route, "path", None) or "other"
+        metrics.REQUESTS.labels(endpoint, str(response.status_code)).inc()
+        return response
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz")
     async def healthz():
@@ -420,9 +448,13 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal") 
                     await ws.send_json({"type": "done", "finish_reason": _finish(ev),
                                         "usage": _usage(ev)})
         except APIError as e:
+            metrics.REQUESTS.labels("/v1/stream", str(e.status)).inc()
             await ws.send_json({"type": "error", "message": str(e)})
         except WebSocketDisconnect:
+            metrics.REQUESTS.labels("/v1/stream", "499").inc()  # client closed early, as nginx logs it
             return
+        else:
+            metrics.REQUESTS.labels("/v1/stream", "200").inc()
         await ws.close()
 
     return app

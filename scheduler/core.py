@@ -41,6 +41,9 @@ class RequestState:
     worker_id: str | None = None
     reserved_blocks: int = 0
 
+    admitted_at: float | None = None  # Unix time of the first admission, for metrics and logs
+    first_token_at: float | None = None
+
     @property
     def num_tokens(self) -> int:
         return len(self.sub.prompt_token_ids) + len(self.output_token_ids)
@@ -145,19 +148,21 @@ class Scheduler:
             return w.free_blocks
         return w.info.num_free_blocks  # advertised, as of its last result
 
-    def place(self) -> None:
-        """Assign waiting requests, in arrival order, to the worker with the most free K/V."""
+    def place(self) -> list[RequestState]:
+        """Assign waiting requests, in arrival order, to the worker with the most free K/V.
+        Returns the requests placed."""
+        placed: list[RequestState] = []
         while self.waiting:
             s = self.waiting[0]
             candidates = [w for w in self.workers.values()
                           if w.info.model == s.sub.model and not w.info.draining
                           and len(w.running) < min(self.max_num_seqs, w.info.max_num_seqs)]
             if not candidates:
-                return
+                return placed
             best = max(candidates, key=lambda w: (self._room(w), -len(w.running)))
             need = self._blocks_needed(s, best)
             if need > self._room(best):
-                return  # FCFS: the head waits; nothing overtakes it
+                return placed  # FCFS: the head waits; nothing overtakes it
             self.waiting.popleft()
             s.worker_id = best.info.worker_id
             s.reserved_blocks = need if self.policy == "reserve" else 0
@@ -168,6 +173,8 @@ class Scheduler:
                 best.info = WorkerInfo(**{**best.info.to_dict(),
                                           "num_free_blocks": best.info.num_free_blocks - need})
             best.to_admit.append(s)
+            placed.append(s)
+        return placed
 
     def schedule(self, worker_id: str) -> IterationPlan:
         """The next plan for one worker: new admissions and releases; every running request runs."""

@@ -9,6 +9,7 @@ stream entry is acknowledged (XACK) only when it has finished.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -16,7 +17,8 @@ import time
 
 import redis
 
-from scheduler.core import Scheduler
+from scheduler import metrics
+from scheduler.core import RequestState, Scheduler
 from shoal.keys import Keys
 from shoal.messages import Cancel, IterationResult, RequestSubmission, WorkerInfo, decode, encode
 
@@ -60,8 +62,15 @@ class SchedulerServer:
         self._read_cancels()
         if time.monotonic() - self._last_refresh > REGISTRY_REFRESH_S:
             self._refresh_workers()
-        self.core.place()
+        now = time.time()
+        for s in self.core.place():
+            if s.admitted_at is None:
+                s.admitted_at = now
+                metrics.QUEUE_TIME.observe(max(0.0, now - s.sub.arrival_time))
         self._send_plans()
+        running = sum(len(w.running) for w in self.core.workers.values())
+        metrics.REQUESTS_RUNNING.set(running)
+        metrics.REQUESTS_WAITING.set(len(self.core.waiting))
         if busy:
             item = self.redis.blpop([self.keys.results], timeout=0.02)
             while item is not None:
@@ -87,6 +96,7 @@ class SchedulerServer:
             state = self.core.requests.get(msg.request_id)
             event = self.core.cancel(msg.request_id)
             if event is not None and state is not None:
+                metrics.REQUESTS_FINISHED.labels("cancelled").inc()
                 self._publish([(state.sub.reply_to, event)])
 
     def _refresh_workers(self) -> None:
@@ -107,8 +117,14 @@ class SchedulerServer:
                     info = WorkerInfo(**{**info.to_dict(), "num_free_blocks": known.info.num_free_blocks})
                 self.core.update_worker(info)
                 seen.add(wid)
+        metrics.WORKERS_ALIVE.set(len(seen))
+        for wid, w in self.core.workers.items():
+            metrics.KV_BLOCKS_FREE.labels(wid).set(w.info.num_free_blocks)
+            metrics.KV_BLOCKS_TOTAL.labels(wid).set(w.info.num_total_blocks)
         for wid in list(self.core.workers):
             if wid not in seen:
+                metrics.KV_BLOCKS_FREE.remove(wid)
+                metrics.KV_BLOCKS_TOTAL.remove(wid)
                 back = self.core.remove_worker(wid)
                 log.warning("worker %s gone; %d requests back to the pool", wid, len(back))
                 self.redis.srem(self.keys.workers, wid)
@@ -116,7 +132,9 @@ class SchedulerServer:
     def _send_plans(self) -> None:
         for wid, w in self.core.workers.items():
             if w.plans_in_flight < PLANS_AHEAD and self.core.has_work(wid):
+                t0 = time.perf_counter()
                 plan = self.core.schedule(wid)
+                metrics.SCHEDULING_SECONDS.observe(time.perf_counter() - t0)
                 self.redis.rpush(self.keys.plans(wid), encode(plan))
                 w.plans_in_flight += 1
 
@@ -124,13 +142,42 @@ class SchedulerServer:
         w = self.core.workers.get(result.worker_id)
         if w is not None:
             w.plans_in_flight = max(0, w.plans_in_flight - 1)
-        replies = {}
+        if result.num_requests:
+            metrics.BATCH_SIZE.observe(result.num_requests)
+            metrics.ITERATION_TOKENS.observe(result.num_prefill_tokens + result.num_decode_tokens)
+        states: dict[str, RequestState] = {}
         for out in result.outputs:
             s = self.core.requests.get(out.request_id)
             if s is not None:
-                replies[out.request_id] = s.sub.reply_to
+                states[out.request_id] = s
+            if out.finish_reason == "preempted":
+                metrics.PREEMPTIONS.inc()
         events = self.core.postprocess(result)
-        self._publish([(replies[e.request_id], e) for e in events if e.request_id in replies])
+        now = time.time()
+        for e in events:
+            s = states.get(e.request_id)
+            if s is not None and e.token_ids and s.first_token_at is None:
+                s.first_token_at = now
+            if s is not None and e.finish_reason is not None:
+                metrics.REQUESTS_FINISHED.labels(e.finish_reason).inc()
+                self._log_finished(s, e.finish_reason, result.worker_id, now)
+        self._publish([(states[e.request_id].sub.reply_to, e) for e in events
+                       if e.request_id in states])
+
+    @staticmethod
+    def _log_finished(s: RequestState, reason: str, worker_id: str, now: float) -> None:
+        """One JSON line per finished request; never the prompt, the output or a key."""
+        arrival = s.sub.arrival_time
+
+        def since(t: float | None) -> float | None:
+            return None if t is None else round(t - arrival, 4)
+
+        log.info(json.dumps({
+            "event": "request_finished", "request_id": s.sub.request_id, "worker": worker_id,
+            "prompt_tokens": len(s.sub.prompt_token_ids),
+            "generated_tokens": len(s.output_token_ids), "queue_time_s": since(s.admitted_at),
+            "ttft_s": since(s.first_token_at), "e2e_s": since(now), "finish_reason": reason,
+        }))
 
     def _publish(self, items) -> None:
         if not items:

@@ -76,12 +76,14 @@ def _build_parser() -> argparse.ArgumentParser:
     w.add_argument("--redis-url", required=True)
     w.add_argument("--worker-id", default=None)
     w.add_argument("--prefix", default="shoal", help="Redis key prefix")
+    w.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0 = off)")
 
     s = sub.add_parser("scheduler", help="the central scheduler process")
     s.add_argument("--redis-url", required=True)
     s.add_argument("--policy", choices=["reserve", "ondemand"], default="reserve")
     s.add_argument("--max-num-seqs", type=_positive_int, default=256)
     s.add_argument("--prefix", default="shoal", help="Redis key prefix")
+    s.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0 = off)")
 
     gw = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
     gw.add_argument("--redis-url", required=True)
@@ -100,6 +102,8 @@ def _build_parser() -> argparse.ArgumentParser:
     u.add_argument("--kv-cache-bytes", type=_positive_int, default=None)
     u.add_argument("--max-model-len", type=_positive_int, default=None)
     u.add_argument("--threads", type=_positive_int, default=None, help="torch threads per worker")
+    u.add_argument("--metrics-port-base", type=int, default=9400,
+                   help="scheduler /metrics on this port, worker i on base+1+i (0 = off)")
 
     c = sub.add_parser("chat", help="stream a reply from a running gateway")
     c.add_argument("--url", default="http://127.0.0.1:8000")
@@ -226,7 +230,15 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         wait_for_redis(args.redis_url)
     except ConnectionError as e:
         raise CLIError(str(e)) from e
+    import time
+
+    from shoal.metrics import serve_metrics
+    from worker.metrics import MODEL_LOAD_SECONDS
+
+    t0 = time.perf_counter()
     engine = _load_engine(path, cfg)
+    MODEL_LOAD_SECONDS.set(time.perf_counter() - t0)
+    serve_metrics(args.metrics_port)
     settings = WorkerSettings(args.redis_url, args.worker_id or default_worker_id(), prefix=args.prefix)
     return WorkerServer(engine, path, settings).run()
 
@@ -234,6 +246,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 def _cmd_scheduler(args: argparse.Namespace) -> int:
     _setup_logging()
     from scheduler.server import SchedulerServer
+    from shoal.metrics import serve_metrics
+
+    serve_metrics(args.metrics_port)
 
     return SchedulerServer(args.redis_url, args.policy, args.max_num_seqs, args.prefix).run()
 
@@ -259,7 +274,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         if value is not None:
             worker_args += [flag, str(value)]
     try:
-        return up(args.host, args.port, args.workers, args.redis_url, worker_args, args.threads)
+        return up(args.host, args.port, args.workers, args.redis_url, worker_args, args.threads,
+                  args.metrics_port_base)
     except (RuntimeError, FileNotFoundError) as e:
         raise CLIError(str(e)) from e
 

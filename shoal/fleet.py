@@ -114,7 +114,10 @@ def stop_all(procs: list[subprocess.Popen], timeout_s: float = 20.0) -> None:
 
 
 def up(host: str, port: int, workers: int, redis_url: str | None, worker_args: list[str],
-       threads: int | None) -> int:
+       threads: int | None, metrics_port_base: int = 9400) -> int:
+    """Run the fleet until Ctrl-C / SIGTERM. The scheduler exports metrics on
+    `metrics_port_base`, worker i on `metrics_port_base + 1 + i` (0 turns them off); the gateway
+    on its own HTTP port. Returns the exit status."""
     procs: list[subprocess.Popen] = []
     redis_proc: subprocess.Popen | None = None
     stopping = False
@@ -130,10 +133,15 @@ def up(host: str, port: int, workers: int, redis_url: str | None, worker_args: l
             rport = free_port()
             redis_proc = start_redis(rport)
             redis_url = f"redis://127.0.0.1:{rport}/0"
-        procs.append(subprocess.Popen(_shoal("scheduler", "--redis-url", redis_url)))
+        def mport(i: int) -> str:
+            return str(metrics_port_base + i if metrics_port_base else 0)
+
+        procs.append(subprocess.Popen(_shoal("scheduler", "--redis-url", redis_url,
+                                             "--metrics-port", mport(0))))
         for i in range(workers):
             procs.append(subprocess.Popen(
-                _shoal("worker", "--redis-url", redis_url, "--worker-id", f"worker-{i}", *worker_args),
+                _shoal("worker", "--redis-url", redis_url, "--worker-id", f"worker-{i}",
+                       "--metrics-port", mport(1 + i), *worker_args),
                 env=worker_env(threads)))
         model_args = [a for i, a in enumerate(worker_args)
                       if a == "--model" or (i and worker_args[i - 1] == "--model")]
@@ -142,6 +150,9 @@ def up(host: str, port: int, workers: int, redis_url: str | None, worker_args: l
         url = f"http://{host}:{port}"
         wait_ready(url, procs + ([redis_proc] if redis_proc else []), timeout_s=180)
         print(f"shoal fleet ready at {url} (redis {redis_url}, {workers} workers)", flush=True)
+        if metrics_port_base:
+            print(f"metrics: gateway {url}/metrics, scheduler :{mport(0)}, workers :"
+                  + ", :".join(mport(1 + i) for i in range(workers)), flush=True)
         while not stopping:
             if any(p.poll() is not None for p in procs + [redis_proc] if p is not None):
                 print("shoal: a fleet process exited; stopping", file=sys.stderr)

@@ -169,6 +169,7 @@ class IterationResult(Message):
         num_free_blocks: free K/V blocks after the iteration.
         num_prefill_tokens, num_decode_tokens: tokens computed this iteration.
         step_seconds: wall time of the iteration in seconds.
+        num_requests: requests that ran in the iteration (the batch size).
     """
 
     TYPE: ClassVar[str] = "iteration_result"
@@ -179,6 +180,7 @@ class IterationResult(Message):
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     step_seconds: float = 0.0
+    num_requests: int = 0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> IterationResult:

@@ -42,6 +42,41 @@ def hf_model(model_path):
     return m.eval()
 
 
+@pytest.fixture(scope="session")
+def fleet():
+    """A real fleet: redis-server, scheduler, one float32 worker (256 MiB of K/V: 364 blocks) and
+    the gateway, each a process, with metrics exported. Shared by every test module."""
+    import subprocess
+    import sys
+
+    from shoal.fleet import free_port, start_redis, stop_all, wait_ready, worker_env
+
+    rport, gport, sport, wport = free_port(), free_port(), free_port(), free_port()
+    redis_proc = start_redis(rport)
+    url = f"redis://127.0.0.1:{rport}/0"
+
+    def shoal(*args, **kw):
+        return subprocess.Popen([sys.executable, "-m", "shoal.cli", *args], **kw)
+
+    procs = [
+        shoal("scheduler", "--redis-url", url, "--metrics-port", str(sport)),
+        shoal("worker", "--redis-url", url, "--worker-id", "w0", "--dtype", "float32",
+              "--kv-cache-bytes", str(256 << 20), "--threads", "1", "--metrics-port", str(wport),
+              env=worker_env(1)),
+        shoal("gateway", "--redis-url", url, "--port", str(gport)),
+    ]
+    base = f"http://127.0.0.1:{gport}"
+    try:
+        wait_ready(base, procs + [redis_proc], timeout_s=180)
+        yield {"url": base, "redis": url, "procs": procs,
+               "metrics": {"gateway": f"{base}/metrics",
+                           "scheduler": f"http://127.0.0.1:{sport}/metrics",
+                           "worker": f"http://127.0.0.1:{wport}/metrics"}}
+    finally:
+        stop_all(procs)  # the fleet first, Redis last
+        stop_all([redis_proc])
+
+
 def make_engine(model, **kw) -> Engine:
     cfg, weights = model
     keep = kw.pop("keep_logits", False)

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from shoal.fleet import free_port, start_redis, stop_all, wait_ready, worker_env
+from shoal.fleet import free_port, worker_env
 from shoal.messages import NewRequest
 from shoal.sampling_params import SamplingParams
 from tests.conftest import make_engine
@@ -22,24 +22,6 @@ from worker.offline import generate
 
 def _shoal(*args, **kw):
     return subprocess.Popen([sys.executable, "-m", "shoal.cli", *args], **kw)
-
-
-@pytest.fixture(scope="module")
-def fleet():
-    rport, gport = free_port(), free_port()
-    procs = [start_redis(rport)]
-    url = f"redis://127.0.0.1:{rport}/0"
-    procs.append(_shoal("scheduler", "--redis-url", url))
-    procs.append(_shoal("worker", "--redis-url", url, "--worker-id", "w0", "--dtype", "float32",
-                        "--kv-cache-bytes", str(256 << 20), "--threads", "1", env=worker_env(1)))
-    procs.append(_shoal("gateway", "--redis-url", url, "--port", str(gport)))
-    base = f"http://127.0.0.1:{gport}"
-    try:
-        wait_ready(base, procs, timeout_s=180)
-        yield {"url": base, "redis": url, "procs": procs}
-    finally:
-        stop_all(procs[1:])  # the fleet first, Redis last
-        stop_all(procs[:1])
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +156,8 @@ def test_models_health_and_readiness(fleet):
 def test_shoal_up_serves_and_stops_cleanly():
     port = free_port()
     up = subprocess.Popen([sys.executable, "-m", "shoal.cli", "up", "--port", str(port),
-                           "--kv-cache-bytes", str(128 << 20), "--threads", "1"],
+                           "--kv-cache-bytes", str(128 << 20), "--threads", "1",
+                           "--metrics-port-base", "0"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = ""

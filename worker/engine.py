@@ -195,6 +195,7 @@ class Engine:
             worker_id="", iteration=plan.iteration, outputs=outputs,
             num_free_blocks=self.num_free_blocks, num_prefill_tokens=num_prefill,
             num_decode_tokens=num_decode, step_seconds=time.perf_counter() - t0,
+            num_requests=len(decodes) + len(prefills),
         )
 
     def _schedule(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:

@@ -21,6 +21,7 @@ import redis
 from shoal.keys import Keys
 from shoal.messages import IterationPlan, IterationResult, TokenOutput, WorkerInfo, decode, encode
 from shoal.model_files import model_id
+from worker import metrics
 from worker.engine import Engine, KVCacheFullError
 
 log = logging.getLogger("shoal.worker")
@@ -124,9 +125,12 @@ class WorkerServer:
                                                finish_reason="preempted"))
                 self.engine.release(victim)
                 plan = IterationPlan(plan.iteration, [], None, [])
+        metrics.observe_iteration(result.num_prefill_tokens, result.num_decode_tokens,
+                                  result.step_seconds, self.engine.num_free_blocks,
+                                  self.engine.num_total_blocks)
         return IterationResult(self.worker_id, result.iteration, handed_back + result.outputs,
                                self.engine.num_free_blocks, result.num_prefill_tokens,
-                               result.num_decode_tokens, result.step_seconds)
+                               result.num_decode_tokens, result.step_seconds, result.num_requests)
 
 
 def default_worker_id() -> str:

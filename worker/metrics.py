@@ -1,0 +1,33 @@
+"""The worker's Prometheus metrics."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from shoal.metrics import STEP_BUCKETS
+
+ENGINE_STEP_SECONDS = Histogram(
+    "shoal_engine_step_seconds", "Wall time of one engine iteration, by phase "
+    "(prefill: only prefill chunks; decode: only decodes; mixed: both)", ["phase"],
+    buckets=STEP_BUCKETS)
+ENGINE_TOKENS = Counter("shoal_engine_tokens_total", "Tokens computed by the engine, by phase",
+                        ["phase"])
+KV_CACHE_USAGE = Gauge("shoal_kv_cache_usage_ratio", "Share of K/V-cache blocks in use (0-1)")
+MODEL_LOAD_SECONDS = Gauge("shoal_model_load_seconds", "Time to load the model, in seconds")
+
+
+def observe_iteration(num_prefill_tokens: int, num_decode_tokens: int, step_seconds: float,
+                      free_blocks: int, total_blocks: int) -> None:
+    """Record one iteration's figures."""
+    if num_prefill_tokens and num_decode_tokens:
+        phase = "mixed"
+    elif num_prefill_tokens:
+        phase = "prefill"
+    elif num_decode_tokens:
+        phase = "decode"
+    else:
+        return
+    ENGINE_STEP_SECONDS.labels(phase).observe(step_seconds)
+    if num_prefill_tokens:
+        ENGINE_TOKENS.labels("prefill").inc(num_prefill_tokens)
+    if num_decode_tokens:
+        ENGINE_TOKENS.labels("decode").inc(num_decode_tokens)
+    KV_CACHE_USAGE.set(1.0 - free_blocks / total_blocks)
