@@ -41,6 +41,7 @@ class RequestState:
     worker_id: str | None = None
     reserved_blocks: int = 0
 
+    migrations: int = 0  # times its worker was lost under it
     admitted_at: float | None = None  # Unix time of the first admission, for metrics and logs
     first_token_at: float | None = None
 
@@ -73,13 +74,16 @@ class Scheduler:
     Args:
         policy: "reserve" or "ondemand".
         max_num_seqs: cap on requests per worker per iteration (the worker's own cap applies too).
+        max_migrations: a request whose worker is lost more often than this fails.
     """
 
-    def __init__(self, policy: str = "reserve", max_num_seqs: int = 256) -> None:
+    def __init__(self, policy: str = "reserve", max_num_seqs: int = 256,
+                 max_migrations: int = 3) -> None:
         if policy not in ("reserve", "ondemand"):
             raise ValueError(f"unknown policy {policy!r}; expected reserve or ondemand")
         self.policy = policy
         self.max_num_seqs = max_num_seqs
+        self.max_migrations = max_migrations
         self.waiting: deque[RequestState] = deque()
         self.requests: dict[str, RequestState] = {}
         self.workers: dict[str, WorkerState] = {}
@@ -107,16 +111,27 @@ class Scheduler:
         else:
             w.info = info
 
-    def remove_worker(self, worker_id: str) -> list[RequestState]:
-        """A worker died or left: its requests go back to the pool (recompute). Returns them."""
+    def remove_worker(self, worker_id: str) -> list[TokenEvent]:
+        """A worker died or left. Its requests go back to the pool with the tokens generated so
+        far, to be prefilled again elsewhere (recompute); one lost more than `max_migrations`
+        times fails instead. Returns the failure events."""
         w = self.workers.pop(worker_id, None)
         if w is None:
             return []
-        back = [self.requests[r] for r in w.running if r in self.requests]
-        for s in back:
+        failed = []
+        for rid in w.running:
+            s = self.requests.get(rid)
+            if s is None:
+                continue
             s.worker_id, s.reserved_blocks = None, 0
-            self._enqueue(s)
-        return back
+            s.migrations += 1
+            if s.migrations > self.max_migrations:
+                del self.requests[rid]
+                failed.append(self._event(s, [], "error", f"request failed: its worker was lost "
+                                          f"{s.migrations} times (limit {self.max_migrations})"))
+            else:
+                self._enqueue(s)
+        return failed
 
     def cancel(self, request_id: str) -> TokenEvent | None:
         s = self.requests.pop(request_id, None)

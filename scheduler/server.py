@@ -30,10 +30,10 @@ REGISTRY_REFRESH_S = 0.25
 
 class SchedulerServer:
     def __init__(self, redis_url: str, policy: str = "reserve", max_num_seqs: int = 256,
-                 prefix: str = "shoal") -> None:
+                 prefix: str = "shoal", max_migrations: int = 3) -> None:
         self.redis = redis.Redis.from_url(redis_url)
         self.keys = Keys(prefix)
-        self.core = Scheduler(policy, max_num_seqs)
+        self.core = Scheduler(policy, max_num_seqs, max_migrations)
         self.consumer = f"scheduler-{os.getpid()}"
         self.entry_ids: dict[str, bytes] = {}
         self._stop = False
@@ -125,9 +125,18 @@ class SchedulerServer:
             if wid not in seen:
                 metrics.KV_BLOCKS_FREE.remove(wid)
                 metrics.KV_BLOCKS_TOTAL.remove(wid)
-                back = self.core.remove_worker(wid)
-                log.warning("worker %s gone; %d requests back to the pool", wid, len(back))
+                lost = len(self.core.workers[wid].running)
+                states = {r: self.core.requests[r] for r in self.core.workers[wid].running
+                          if r in self.core.requests}
+                failed = self.core.remove_worker(wid)
+                log.warning("worker %s gone; %d requests back to the pool, %d failed", wid,
+                            lost - len(failed), len(failed))
+                for e in failed:
+                    metrics.REQUESTS_FINISHED.labels("error").inc()
+                self._publish([(states[e.request_id].sub.reply_to, e) for e in failed])
+                # Its plans will never be read; a worker restarted under the same id starts clean.
                 self.redis.srem(self.keys.workers, wid)
+                self.redis.delete(self.keys.plans(wid))
 
     def _send_plans(self) -> None:
         for wid, w in self.core.workers.items():

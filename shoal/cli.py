@@ -84,6 +84,8 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=_positive_int, default=256)
     s.add_argument("--prefix", default="shoal", help="Redis key prefix")
     s.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0 = off)")
+    s.add_argument("--max-migrations", type=int, default=3,
+                   help="a request whose worker is lost more often than this fails")
 
     gw = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
     gw.add_argument("--redis-url", required=True)
@@ -250,7 +252,8 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
 
     serve_metrics(args.metrics_port)
 
-    return SchedulerServer(args.redis_url, args.policy, args.max_num_seqs, args.prefix).run()
+    return SchedulerServer(args.redis_url, args.policy, args.max_num_seqs, args.prefix,
+                           args.max_migrations).run()
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:

@@ -291,3 +291,59 @@ def test_worker_drains_on_sigterm(fleet):
     finally:
         if w.poll() is None:
             w.kill()
+
+
+def test_worker_killed_mid_stream_costs_recomputation_not_tokens(fleet, oracle, tokenizer):
+    """SIGKILL the worker that runs a streaming request: within the heartbeat expiry the request
+    is prefilled again on the other worker with its tokens so far; the stream goes on with no
+    token missing or repeated and the greedy text of an undisturbed run."""
+    import redis
+
+    from shoal.messages import decode
+
+    r = redis.Redis.from_url(fleet["redis"])
+    victim = _shoal("worker", "--redis-url", fleet["redis"], "--worker-id", "w-victim", "--dtype",
+                    "float32", "--kv-cache-bytes", str(512 << 20), "--threads", "1", env=worker_env(1))
+    try:
+        deadline = time.monotonic() + 120
+        while not r.sismember("shoal:workers", "w-victim"):
+            assert time.monotonic() < deadline and victim.poll() is None
+            time.sleep(0.2)
+        time.sleep(1.0)  # the scheduler reads the registry every 0.25 s
+        prompt = "The history of the fishing fleet began"
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        expected = tokenizer.decode(oracle(ids, 60), skip_special_tokens=True)
+        import websockets.sync.client as wsc
+
+        tokens, indexes = [], []
+        with wsc.connect(fleet["url"].replace("http", "ws") + "/v1/stream") as ws:
+            ws.send(json.dumps({"prompt": prompt, "max_tokens": 60, "temperature": 0,
+                                "ignore_eos": True}))
+            while True:
+                m = json.loads(ws.recv(timeout=120))
+                if m["type"] == "token":
+                    tokens.append(m)
+                    indexes.append(m["index"])
+                    if len(tokens) == 10:
+                        # It is the one generating (its heartbeat, every second, says so).
+                        deadline = time.monotonic() + 5
+                        while decode(r.hget("shoal:worker:w-victim", "info")).num_running != 1:
+                            assert time.monotonic() < deadline
+                            time.sleep(0.05)
+                        victim.kill()
+                        killed_at = time.monotonic()
+                        received_before_kill = None
+                    elif len(tokens) > 10 and received_before_kill is None:
+                        received_before_kill = len(tokens)
+                    if len(tokens) == 59:
+                        # Noticed within the heartbeat expiry (3 s), then prefilled again.
+                        assert time.monotonic() - killed_at < 20
+                else:
+                    assert m["type"] == "done", m
+                    break
+        assert indexes == list(range(60))
+        assert "".join(m["text"] for m in tokens) == expected
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+        victim.wait()

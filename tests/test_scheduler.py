@@ -147,7 +147,7 @@ def test_dead_worker_requests_return_to_the_pool_with_their_tokens():
     assert sched.requests["r"].worker_id == "a"
     before = list(sched.requests["r"].output_token_ids)
     assert len(before) >= 3
-    sched.remove_worker("a")
+    assert sched.remove_worker("a") == []
     assert sched.requests["r"].worker_id is None
     while "r" in sched.requests:
         _pump(sched, {"b": b}, events)
@@ -189,3 +189,19 @@ def test_ondemand_preempts_and_recomputes():
                 for k, t in enumerate(e.token_ids):
                     toks.setdefault(e.index + k, t)
         assert sorted(toks) == list(range(16))
+
+
+def test_a_request_migrated_too_often_fails_clearly():
+    sched = Scheduler("reserve", max_migrations=1)
+    sched.add_request(_sub("r", 4, 4, 0.0))
+    for wid, expect_fail in (("a", False), ("b", True)):
+        w = SimWorker(wid, 20)
+        sched.update_worker(w.info())
+        sched.place()
+        assert sched.requests["r"].worker_id == wid
+        failed = sched.remove_worker(wid)
+        if expect_fail:
+            assert [e.finish_reason for e in failed] == ["error"] and "lost 2 times" in failed[0].error
+            assert "r" not in sched.requests and not sched.waiting
+        else:
+            assert failed == [] and sched.requests["r"].migrations == 1
