@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -17,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import redis
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
@@ -277,6 +279,18 @@ class Gateway:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    async def check_capacity(self, max_waiting: int) -> None:
+        """Refuse new work while the scheduler's pool holds `max_waiting` requests.
+
+        Raises:
+            APIError: 429, with the pool's size in the message.
+        """
+        assert self.redis is not None
+        waiting = int(await self.redis.get(self.keys.waiting) or 0)
+        if waiting >= max_waiting:
+            raise APIError(f"the fleet is overloaded: {waiting} requests are waiting; retry later",
+                           status=429, kind="rate_limit_error")
+
     async def ready(self) -> tuple[bool, str]:
         assert self.redis is not None
         try:
@@ -304,12 +318,56 @@ def _usage(ev: TokenEvent) -> dict[str, int]:
             "total_tokens": ev.prompt_tokens + ev.completion_tokens}
 
 
+def _error_chunk(ev: TokenEvent) -> dict[str, Any]:
+    """A failure inside a stream, where the HTTP status is already sent: an OpenAI error object."""
+    status = ev.error_status or 503
+    return APIError(ev.error or "generation failed", status=status,
+                    kind="invalid_request_error" if status < 500 else "server_error").body()
+
+
 def _finish(ev: TokenEvent) -> str | None:
     return "stop" if ev.finish_reason == "cancelled" else ev.finish_reason
 
 
-def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal") -> FastAPI:
+@dataclass(frozen=True)
+class GatewaySettings:
+    """Limits and access rules of one gateway.
+
+    Attributes:
+        api_keys: accepted `Authorization: Bearer` keys; empty means no authentication.
+        public_paths: paths served without a key.
+        max_waiting: new requests get 429 while the scheduler's pool holds this many.
+        max_body_bytes: larger request bodies get 400 (by their Content-Length).
+        retry_after_s: the Retry-After header of a 429, in seconds.
+    """
+
+    api_keys: tuple[str, ...] = ()
+    public_paths: tuple[str, ...] = ("/healthz", "/readyz")
+    max_waiting: int = 1024
+    max_body_bytes: int = 4 << 20
+    retry_after_s: int = 1
+
+
+def _key_ok(presented: str | None, keys: tuple[str, ...]) -> bool:
+    """Constant-time comparison against every key (no early exit on the first match)."""
+    if not presented:
+        return False
+    ok = False
+    for k in keys:
+        ok |= hmac.compare_digest(presented.encode(), k.encode())
+    return ok
+
+
+def _bearer(header: str | None) -> str | None:
+    if header and header.lower().startswith("bearer "):
+        return header[7:].strip()
+    return None
+
+
+def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
+               settings: GatewaySettings | None = None) -> FastAPI:
     """The gateway's FastAPI application."""
+    settings = settings or GatewaySettings()
     gw = Gateway(redis_url, model, prefix)
 
     @contextlib.asynccontextmanager
@@ -323,7 +381,28 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal") 
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        headers = {"Retry-After": str(settings.retry_after_s)} if e.status == 429 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(redis.RedisError)
+    async def _redis_error(_: Request, e: redis.RedisError):
+        return JSONResponse(APIError(f"the request queue (Redis) is unavailable: {e}", status=503,
+                                     kind="server_error").body(), status_code=503)
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next):
+        """Authentication and the body-size limit, before any route runs."""
+        if settings.api_keys and request.url.path not in settings.public_paths and not _key_ok(
+                _bearer(request.headers.get("authorization")), settings.api_keys):
+            e = APIError("missing or invalid API key (Authorization: Bearer <key>)", status=401)
+            body = e.body()
+            body["error"]["code"] = "invalid_api_key"
+            return JSONResponse(body, status_code=401)
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > settings.max_body_bytes:
+            return JSONResponse(APIError(f"the request body exceeds {settings.max_body_bytes} "
+                                         "bytes").body(), status_code=400)
+        return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError):
@@ -368,7 +447,9 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal") 
             last = ev
         assert last is not None
         if last.finish_reason == "error":
-            raise APIError(last.error or "generation failed", status=500, kind="server_error")
+            status = last.error_status or 503
+            raise APIError(last.error or "generation failed", status=status,
+                           kind="invalid_request_error" if status < 500 else "server_error")
         return text, last, ids, lps
 
     def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
@@ -381,11 +462,15 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal") 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
         p = gw.prepare_completion(req)
+        await gw.check_capacity(settings.max_waiting)
         created = int(time.time())
         base = {"id": p.request_id, "object": "text_completion", "created": created, "model": gw.model}
         if req.stream:
             async def chunks():
                 async for piece, ev in gw.run(p):
+                    if ev.finish_reason == "error":
+                        yield _error_chunk(ev)
+                        return
                     if piece or ev.finish_reason:
                         yield {**base, "choices": [{"index": 0, "text": piece, "logprobs": None,
                                                     "finish_reason": _finish(ev)}]}
@@ -403,6 +488,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal") 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
         p = gw.prepare_chat(req)
+        await gw.check_capacity(settings.max_waiting)
         created = int(time.time())
         base = {"id": p.request_id, "object": "chat.completion.chunk", "created": created,
                 "model": gw.model}
@@ -411,6 +497,9 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal") 
                 yield {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                             "finish_reason": None}]}
                 async for piece, ev in gw.run(p):
+                    if ev.finish_reason == "error":
+                        yield _error_chunk(ev)
+                        return
                     if piece or ev.finish_reason:
                         delta = {"content": piece} if piece else {}
                         yield {**base, "choices": [{"index": 0, "delta": delta,
@@ -430,6 +519,12 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal") 
 
     @app.websocket("/v1/stream")
     async def stream(ws: WebSocket):
+        if settings.api_keys and not _key_ok(
+                _bearer(ws.headers.get("authorization")) or ws.query_params.get("api_key"),
+                settings.api_keys):
+            metrics.REQUESTS.labels("/v1/stream", "401").inc()
+            await ws.close(code=1008, reason="missing or invalid API key")  # before accepting
+            return
         await ws.accept()
         try:
             body = await ws.receive_json()
@@ -438,12 +533,15 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal") 
                      else gw.prepare_completion(CompletionRequest(**body)))
             except ValidationError as e:
                 raise APIError(str(e.errors()[0].get("msg"))) from e
+            await gw.check_capacity(settings.max_waiting)
             index = 0
             async for piece, ev in gw.run(p):
                 for t in ev.token_ids:
                     await ws.send_json({"type": "token", "index": index, "token_id": t,
                                         "text": piece})
                     piece, index = "", index + 1
+                if ev.finish_reason == "error":
+                    raise APIError(ev.error or "generation failed", status=ev.error_status or 503)
                 if ev.finish_reason:
                     await ws.send_json({"type": "done", "finish_reason": _finish(ev),
                                         "usage": _usage(ev)})

@@ -18,7 +18,6 @@ events for the gateways. The I/O loop around them is scheduler/server.py.
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -87,7 +86,7 @@ class Scheduler:
         self.waiting: deque[RequestState] = deque()
         self.requests: dict[str, RequestState] = {}
         self.workers: dict[str, WorkerState] = {}
-        self._counter = itertools.count()
+        self.failed: list[TokenEvent] = []  # failed by `place`, for the I/O loop to publish
 
     # -- inputs ---------------------------------------------------------------------------------
 
@@ -128,7 +127,8 @@ class Scheduler:
             if s.migrations > self.max_migrations:
                 del self.requests[rid]
                 failed.append(self._event(s, [], "error", f"request failed: its worker was lost "
-                                          f"{s.migrations} times (limit {self.max_migrations})"))
+                                          f"{s.migrations} times (limit {self.max_migrations})",
+                                          status=503))
             else:
                 self._enqueue(s)
         return failed
@@ -176,6 +176,14 @@ class Scheduler:
                 return placed
             best = max(candidates, key=lambda w: (self._room(w), -len(w.running)))
             need = self._blocks_needed(s, best)
+            largest = max(w.info.num_total_blocks for w in candidates)
+            if need > largest:  # it would wait forever: fail it now
+                self.waiting.popleft()
+                del self.requests[s.sub.request_id]
+                self.failed.append(self._event(
+                    s, [], "error", f"the request needs {need} K/V blocks (prompt + max_tokens); "
+                    f"the largest worker has {largest}", status=400))
+                continue
             if need > self._room(best):
                 return placed  # FCFS: the head waits; nothing overtakes it
             self.waiting.popleft()
@@ -228,8 +236,10 @@ class Scheduler:
             if out.finish_reason is not None:
                 self._unplace(s)
                 self.requests.pop(out.request_id, None)
+            # An engine error is about the request itself (see Engine.add_request).
+            status = 400 if out.finish_reason == "error" else None
             events.append(self._event(s, tokens, out.finish_reason, out.error, out.logprob,
-                                      index=out.index))
+                                      index=out.index, status=status))
         return events
 
     def _unplace(self, s: RequestState) -> None:
@@ -242,11 +252,11 @@ class Scheduler:
     @staticmethod
     def _event(s: RequestState, tokens: list[int], finish_reason: str | None,
                error: str | None = None, logprob: float | None = None,
-               index: int | None = None) -> TokenEvent:
+               index: int | None = None, status: int | None = None) -> TokenEvent:
         return TokenEvent(
             request_id=s.sub.request_id,
             index=len(s.output_token_ids) - len(tokens) if index is None else index,
             token_ids=tokens, logprobs=[logprob] * len(tokens), finish_reason=finish_reason,
             error=error, prompt_tokens=len(s.sub.prompt_token_ids),
-            completion_tokens=len(s.output_token_ids),
+            completion_tokens=len(s.output_token_ids), error_status=status,
         )

@@ -20,7 +20,15 @@ import redis
 from scheduler import metrics
 from scheduler.core import RequestState, Scheduler
 from shoal.keys import Keys
-from shoal.messages import Cancel, IterationResult, RequestSubmission, WorkerInfo, decode, encode
+from shoal.messages import (
+    Cancel,
+    IterationResult,
+    RequestSubmission,
+    TokenEvent,
+    WorkerInfo,
+    decode,
+    encode,
+)
 
 log = logging.getLogger("shoal.scheduler")
 
@@ -38,6 +46,8 @@ class SchedulerServer:
         self.entry_ids: dict[str, bytes] = {}
         self._stop = False
         self._last_refresh = 0.0
+        self._published_waiting = -1
+        self._reply_to: dict[str, str] = {}  # request id -> its gateway channel, while in the pool
 
     def stop(self, *_: object) -> None:
         self._stop = True
@@ -67,10 +77,18 @@ class SchedulerServer:
             if s.admitted_at is None:
                 s.admitted_at = now
                 metrics.QUEUE_TIME.observe(max(0.0, now - s.sub.arrival_time))
+        if self.core.failed:
+            failed, self.core.failed = self.core.failed, []
+            for e in failed:
+                metrics.REQUESTS_FINISHED.labels("error").inc()
+            self._publish(failed)
         self._send_plans()
         running = sum(len(w.running) for w in self.core.workers.values())
         metrics.REQUESTS_RUNNING.set(running)
         metrics.REQUESTS_WAITING.set(len(self.core.waiting))
+        if len(self.core.waiting) != self._published_waiting:
+            self._published_waiting = len(self.core.waiting)
+            self.redis.set(self.keys.waiting, self._published_waiting)
         if busy:
             item = self.redis.blpop([self.keys.results], timeout=0.02)
             while item is not None:
@@ -86,6 +104,7 @@ class SchedulerServer:
                 sub = decode(fields[b"m"])
                 assert isinstance(sub, RequestSubmission)
                 self.entry_ids[sub.request_id] = entry_id
+                self._reply_to[sub.request_id] = sub.reply_to
                 self.core.add_request(sub)
 
     def _read_cancels(self) -> None:
@@ -93,11 +112,10 @@ class SchedulerServer:
         for raw in raws or []:
             msg = decode(raw)
             assert isinstance(msg, Cancel)
-            state = self.core.requests.get(msg.request_id)
             event = self.core.cancel(msg.request_id)
-            if event is not None and state is not None:
+            if event is not None:
                 metrics.REQUESTS_FINISHED.labels("cancelled").inc()
-                self._publish([(state.sub.reply_to, event)])
+                self._publish([event])
 
     def _refresh_workers(self) -> None:
         self._last_refresh = time.monotonic()
@@ -126,14 +144,12 @@ class SchedulerServer:
                 metrics.KV_BLOCKS_FREE.remove(wid)
                 metrics.KV_BLOCKS_TOTAL.remove(wid)
                 lost = len(self.core.workers[wid].running)
-                states = {r: self.core.requests[r] for r in self.core.workers[wid].running
-                          if r in self.core.requests}
                 failed = self.core.remove_worker(wid)
                 log.warning("worker %s gone; %d requests back to the pool, %d failed", wid,
                             lost - len(failed), len(failed))
                 for e in failed:
                     metrics.REQUESTS_FINISHED.labels("error").inc()
-                self._publish([(states[e.request_id].sub.reply_to, e) for e in failed])
+                self._publish(failed)
                 # Its plans will never be read; a worker restarted under the same id starts clean.
                 self.redis.srem(self.keys.workers, wid)
                 self.redis.delete(self.keys.plans(wid))
@@ -170,8 +186,7 @@ class SchedulerServer:
             if s is not None and e.finish_reason is not None:
                 metrics.REQUESTS_FINISHED.labels(e.finish_reason).inc()
                 self._log_finished(s, e.finish_reason, result.worker_id, now)
-        self._publish([(states[e.request_id].sub.reply_to, e) for e in events
-                       if e.request_id in states])
+        self._publish(events)
 
     @staticmethod
     def _log_finished(s: RequestState, reason: str, worker_id: str, now: float) -> None:
@@ -188,13 +203,17 @@ class SchedulerServer:
             "ttft_s": since(s.first_token_at), "e2e_s": since(now), "finish_reason": reason,
         }))
 
-    def _publish(self, items) -> None:
-        if not items:
+    def _publish(self, events: list[TokenEvent]) -> None:
+        """Send events to their gateways; acknowledge the stream entry of each finished request."""
+        if not events:
             return
         pipe = self.redis.pipeline(transaction=False)
-        for channel, event in items:
-            pipe.publish(channel, encode(event))
-            if event.finish_reason is not None:
+        for event in events:
+            final = event.finish_reason is not None
+            channel = (self._reply_to.pop if final else self._reply_to.get)(event.request_id, None)
+            if channel is not None:
+                pipe.publish(channel, encode(event))
+            if final:
                 entry = self.entry_ids.pop(event.request_id, None)
                 if entry is not None:
                     pipe.xack(self.keys.requests, self.keys.scheduler_group, entry)

@@ -93,6 +93,13 @@ def _build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--port", type=_positive_int, default=8000)
     gw.add_argument("--model", default=None, help="model whose tokenizer to use (default: SmolLM2)")
     gw.add_argument("--prefix", default="shoal", help="Redis key prefix")
+    gw.add_argument("--api-key", action="append", default=[],
+                    help="accepted API key (repeatable; also SHOAL_API_KEYS, comma-separated)")
+    gw.add_argument("--api-key-file", default=None, help="file with one API key per line")
+    gw.add_argument("--public-metrics", action="store_true", help="serve /metrics without a key")
+    gw.add_argument("--max-waiting", type=_positive_int, default=1024,
+                    help="answer 429 while this many requests wait in the scheduler's pool")
+    gw.add_argument("--max-body-bytes", type=_positive_int, default=4 << 20)
 
     u = sub.add_parser("up", help="the whole fleet: Redis, scheduler, workers and gateway")
     u.add_argument("--host", default="127.0.0.1")
@@ -259,11 +266,22 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
 def _cmd_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from gateway.app import create_app
+    from gateway.app import GatewaySettings, create_app
     from shoal.model_files import resolve_model_path
 
     resolve_model_path(args.model)  # fail fast with a clear message
-    uvicorn.run(create_app(args.redis_url, args.model, args.prefix), host=args.host,
+    keys = [k for k in args.api_key if k]
+    keys += [k.strip() for k in os.environ.get("SHOAL_API_KEYS", "").split(",") if k.strip()]
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file) as f:
+                keys += [line.strip() for line in f if line.strip() and not line.startswith("#")]
+        except OSError as e:
+            raise CLIError(f"cannot read --api-key-file: {e}") from e
+    public = ("/healthz", "/readyz") + (("/metrics",) if args.public_metrics else ())
+    settings = GatewaySettings(api_keys=tuple(keys), public_paths=public,
+                               max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
+    uvicorn.run(create_app(args.redis_url, args.model, args.prefix, settings), host=args.host,
                 port=args.port, log_level="warning")
     return 0
 

@@ -18,6 +18,8 @@ class Keys:
         results: list of `IterationResult` from every worker (worker RPUSH, scheduler BLPOP).
         tokens(gateway): pub/sub channel of `TokenEvent` for one gateway instance.
         cancels: list of `Cancel` (gateway RPUSH, scheduler drains).
+        waiting: integer, requests waiting in the scheduler's pool (scheduler SET, gateways read
+            it to refuse work beyond their bound with 429).
     """
 
     prefix: str = "shoal"
@@ -51,3 +53,7 @@ class Keys:
     @property
     def cancels(self) -> str:
         return f"{self.prefix}:cancels"
+
+    @property
+    def waiting(self) -> str:
+        return f"{self.prefix}:waiting"

@@ -252,6 +252,8 @@ class TokenEvent(Message):
         finish_reason: "stop", "length", "error", "cancelled" or None.
         error: the reason when `finish_reason` is "error".
         prompt_tokens, completion_tokens: usage, set on the final event.
+        error_status: the HTTP status the error maps to: 400 when the request itself cannot be
+            served (too long, too large for any worker), 503 when the fleet failed it.
     """
 
     TYPE: ClassVar[str] = "token_event"
@@ -263,6 +265,7 @@ class TokenEvent(Message):
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    error_status: int | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,124 @@
+"""API keys, overload (429), body limits and requests no worker can hold, on a second gateway
+process in front of the shared test fleet."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from shoal.fleet import free_port, stop_all, wait_ready
+
+KEY = "sk-test-7f3a9c"
+
+
+@pytest.fixture(scope="module")
+def guarded(fleet):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "shoal.cli", "gateway", "--redis-url",
+                             fleet["redis"], "--port", str(port), "--api-key", KEY,
+                             "--max-waiting", "1", "--max-body-bytes", "20000"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, [proc], timeout_s=120)
+        yield url
+    finally:
+        stop_all([proc])
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def test_api_keys(guarded):
+    body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(guarded + "/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "invalid_api_key" and KEY not in r.text
+    assert httpx.get(guarded + "/v1/models").status_code == 401
+    assert httpx.get(guarded + "/metrics").status_code == 401
+    assert httpx.get(guarded + "/healthz").status_code == 200
+    assert httpx.get(guarded + "/readyz").status_code == 200
+    r = httpx.post(guarded + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_websocket_checks_the_key_before_accepting(guarded):
+    import websockets.sync.client as wsc
+    from websockets.exceptions import InvalidStatus
+
+    ws_url = guarded.replace("http", "ws") + "/v1/stream"
+    with pytest.raises(InvalidStatus):
+        wsc.connect(ws_url)
+    with wsc.connect(ws_url, additional_headers=AUTH) as ws:
+        ws.send(json.dumps({"prompt": "Hi", "max_tokens": 2, "temperature": 0}))
+        msgs = [json.loads(ws.recv(timeout=60)) for _ in range(3)]
+    assert [m["type"] for m in msgs] == ["token", "token", "done"]
+
+
+def test_bad_input_is_400_never_500(guarded):
+    cases = [
+        (b"{not json", "application/json"),
+        (json.dumps({"prompt": 5}).encode(), "application/json"),
+        (json.dumps({"prompt": "x" * 30000}).encode(), "application/json"),  # over 20,000 bytes
+        (json.dumps({"prompt": "x", "top_p": 1.5}).encode(), "application/json"),
+        (json.dumps({"messages": [{"role": "user"}]}).encode(), "application/json"),
+    ]
+    for raw, ctype in cases:
+        path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
+        r = httpx.post(guarded + path, content=raw,
+                       headers={**AUTH, "content-type": ctype}, timeout=30)
+        assert r.status_code == 400, (raw[:60], r.status_code, r.text[:200])
+        assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
+
+
+def test_prompt_longer_than_the_context_window(fleet):
+    r = httpx.post(fleet["url"] + "/v1/completions", timeout=30,
+                   json={"prompt": [100] * 8200, "max_tokens": 4})
+    assert r.status_code == 400 and "context window" in r.json()["error"]["message"]
+
+
+def test_request_larger_than_any_worker_fails_clearly(guarded):
+    # 364 blocks of 16 tokens hold 5,824 tokens; ask for 7,000.
+    r = httpx.post(guarded + "/v1/completions", headers=AUTH, timeout=60,
+                   json={"prompt": "Hello", "max_tokens": 7000, "temperature": 0})
+    assert r.status_code == 400
+    assert "K/V blocks" in r.json()["error"]["message"]
+
+
+def test_overload_gets_429_with_retry_after(guarded, fleet):
+    import redis
+
+    r = redis.Redis.from_url(fleet["redis"])
+    client = httpx.Client(timeout=120, headers=AUTH)
+    # Each request reserves (5 + 4,700) / 16 = 295 of the worker's 364 blocks: one runs, the
+    # next waits in the pool, and with --max-waiting 1 the third is refused.
+    body = {"prompt": "Tell a very long story.", "max_tokens": 4700, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    streams = []
+    try:
+        for _ in range(2):
+            cm = client.stream("POST", guarded + "/v1/completions", json=body)
+            resp = cm.__enter__()
+            assert resp.status_code == 200
+            streams.append((cm, resp))
+        deadline = time.monotonic() + 20
+        while int(r.get("shoal:waiting") or 0) < 1:
+            assert time.monotonic() < deadline, "the second request never waited"
+            time.sleep(0.05)
+        third = client.post(guarded + "/v1/completions", json={**body, "stream": False})
+        assert third.status_code == 429
+        assert third.headers["retry-after"] == "1"
+        assert third.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        for cm, _ in streams:
+            cm.__exit__(None, None, None)
+        client.close()
+    deadline = time.monotonic() + 30
+    while int(r.get("shoal:waiting") or 0) != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
