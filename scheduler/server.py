@@ -1,5 +1,11 @@
 """The scheduler process: Redis I/O around the policy in scheduler/core.py.
 
+Only the holder of the lease (SET NX PX, renewed every second) schedules; other scheduler
+processes stand by and take over when it lapses: they claim the pending stream entries
+(XAUTOCLAIM), read back each request's tokens so far, reset every worker, and admit the unfinished
+requests again (recompute). Clients still connected keep receiving tokens; indexes let the gateway
+drop the ones it already has.
+
 One loop: read new requests from the stream (consumer group), drain cancels, refresh the worker
 registry (a worker whose heartbeat key expired is dead: its requests go back to the pool), place
 waiting requests, keep one plan queued ahead of each busy worker so its engine never waits on Redis,
@@ -22,6 +28,7 @@ from scheduler.core import RequestState, Scheduler
 from shoal.keys import Keys
 from shoal.messages import (
     Cancel,
+    IterationPlan,
     IterationResult,
     RequestSubmission,
     TokenEvent,
@@ -34,15 +41,28 @@ log = logging.getLogger("shoal.scheduler")
 
 PLANS_AHEAD = 2  # plans in flight per worker: the one running and one queued behind it
 REGISTRY_REFRESH_S = 0.25
+PROGRESS_TTL_S = 3600  # a request's saved tokens outlive any plausible failover
+
+# Renew the lease only if we still hold it (a plain PEXPIRE could extend a successor's lease).
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
 
 
 class SchedulerServer:
     def __init__(self, redis_url: str, policy: str = "reserve", max_num_seqs: int = 256,
-                 prefix: str = "shoal", max_migrations: int = 3) -> None:
+                 prefix: str = "shoal", max_migrations: int = 3, lease_ms: int = 3000) -> None:
         self.redis = redis.Redis.from_url(redis_url)
         self.keys = Keys(prefix)
         self.core = Scheduler(policy, max_num_seqs, max_migrations)
-        self.consumer = f"scheduler-{os.getpid()}"
+        self.consumer = f"scheduler-{os.uname().nodename}-{os.getpid()}"
+        self.lease_ms = lease_ms
+        self._renew = self.redis.register_script(_RENEW)
+        self._active = False
+        self._lease_renewed_at = 0.0
         self.entry_ids: dict[str, bytes] = {}
         self._stop = False
         self._last_refresh = 0.0
@@ -61,10 +81,61 @@ class SchedulerServer:
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
-        log.info("scheduler %s up (policy %s)", self.consumer, self.core.policy)
+        log.info("scheduler %s up (policy %s), waiting for the lease", self.consumer,
+                 self.core.policy)
         while not self._stop:
+            if not self._hold_lease():
+                if self._active:
+                    log.error("scheduler %s lost its lease; exiting so it can restart as standby",
+                              self.consumer)
+                    return 1
+                time.sleep(min(0.5, self.lease_ms / 4000))
+                continue
+            if not self._active:
+                self._take_over()
+                self._active = True
             self.tick()
+        if self._active:  # hand over at once rather than after the lease expires
+            self.redis.delete(self.keys.lease)
         return 0
+
+    def _hold_lease(self) -> bool:
+        """Acquire the lease, or renew it about three times per TTL. True while we hold it."""
+        now = time.monotonic()
+        if self._active and now - self._lease_renewed_at < self.lease_ms / 3000:
+            return True
+        if self._active:
+            held = bool(self._renew(keys=[self.keys.lease], args=[self.consumer, self.lease_ms]))
+        else:
+            held = bool(self.redis.set(self.keys.lease, self.consumer, nx=True, px=self.lease_ms))
+        if held:
+            self._lease_renewed_at = now
+        return held
+
+    def _take_over(self) -> None:
+        """Become the active scheduler: reset workers and rebuild the pool from Redis."""
+        log.info("scheduler %s is active", self.consumer)
+        self._refresh_workers()
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(self.keys.results)  # answers to a predecessor's plans
+        for wid, w in self.core.workers.items():
+            pipe.delete(self.keys.plans(wid))
+            pipe.rpush(self.keys.plans(wid), encode(IterationPlan(iteration=0, reset=True)))
+            w.plans_in_flight = 1
+        pipe.execute()
+        recovered, cursor = 0, "0-0"
+        while True:
+            cursor, entries, *_ = self.redis.xautoclaim(
+                self.keys.requests, self.keys.scheduler_group, self.consumer, min_idle_time=0,
+                start_id=cursor, count=256)
+            for entry_id, fields in entries:
+                if fields:
+                    self._add_submission(entry_id, fields, restore=True)
+                    recovered += 1
+            if cursor in (b"0-0", "0-0"):
+                break
+        if recovered:
+            log.info("recovered %d unfinished requests", recovered)
 
     def tick(self) -> None:
         busy = any(w.plans_in_flight for w in self.core.workers.values())
@@ -79,8 +150,7 @@ class SchedulerServer:
                 metrics.QUEUE_TIME.observe(max(0.0, now - s.sub.arrival_time))
         if self.core.failed:
             failed, self.core.failed = self.core.failed, []
-            for e in failed:
-                metrics.REQUESTS_FINISHED.labels("error").inc()
+            metrics.REQUESTS_FINISHED.labels("error").inc(len(failed))
             self._publish(failed)
         self._send_plans()
         running = sum(len(w.running) for w in self.core.workers.values())
@@ -101,11 +171,23 @@ class SchedulerServer:
                                      {self.keys.requests: ">"}, count=256, block=block_ms)
         for _stream, entries in resp or []:
             for entry_id, fields in entries:
-                sub = decode(fields[b"m"])
-                assert isinstance(sub, RequestSubmission)
-                self.entry_ids[sub.request_id] = entry_id
-                self._reply_to[sub.request_id] = sub.reply_to
-                self.core.add_request(sub)
+                self._add_submission(entry_id, fields)
+
+    def _add_submission(self, entry_id: bytes, fields: dict, restore: bool = False) -> None:
+        sub = decode(fields[b"m"])
+        assert isinstance(sub, RequestSubmission)
+        self.entry_ids[sub.request_id] = entry_id
+        self._reply_to[sub.request_id] = sub.reply_to
+        self.core.add_request(sub)
+        if restore:  # a predecessor's request: pick up from the tokens it had published
+            saved = [int(t) for t in self.redis.lrange(self.keys.progress(sub.request_id), 0, -1)]
+            state = self.core.requests[sub.request_id]
+            state.output_token_ids = saved[: sub.params.max_tokens]
+            if len(state.output_token_ids) >= sub.params.max_tokens:
+                self.core.cancel(sub.request_id)
+                self._publish([TokenEvent(sub.request_id, len(saved), [], finish_reason="length",
+                                          prompt_tokens=len(sub.prompt_token_ids),
+                                          completion_tokens=len(state.output_token_ids))])
 
     def _read_cancels(self) -> None:
         raws = self.redis.lpop(self.keys.cancels, 256)
@@ -147,8 +229,7 @@ class SchedulerServer:
                 failed = self.core.remove_worker(wid)
                 log.warning("worker %s gone; %d requests back to the pool, %d failed", wid,
                             lost - len(failed), len(failed))
-                for e in failed:
-                    metrics.REQUESTS_FINISHED.labels("error").inc()
+                metrics.REQUESTS_FINISHED.labels("error").inc(len(failed))
                 self._publish(failed)
                 # Its plans will never be read; a worker restarted under the same id starts clean.
                 self.redis.srem(self.keys.workers, wid)
@@ -213,6 +294,12 @@ class SchedulerServer:
             channel = (self._reply_to.pop if final else self._reply_to.get)(event.request_id, None)
             if channel is not None:
                 pipe.publish(channel, encode(event))
+            progress = self.keys.progress(event.request_id)
+            if final:
+                pipe.delete(progress)
+            elif event.token_ids:  # saved for a scheduler that takes over
+                pipe.rpush(progress, *event.token_ids)
+                pipe.expire(progress, PROGRESS_TTL_S)
             if final:
                 entry = self.entry_ids.pop(event.request_id, None)
                 if entry is not None:

@@ -86,6 +86,8 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0 = off)")
     s.add_argument("--max-migrations", type=int, default=3,
                    help="a request whose worker is lost more often than this fails")
+    s.add_argument("--lease-ms", type=_positive_int, default=3000,
+                   help="the active scheduler's lease; a standby takes over when it lapses")
 
     gw = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
     gw.add_argument("--redis-url", required=True)
@@ -260,7 +262,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     serve_metrics(args.metrics_port)
 
     return SchedulerServer(args.redis_url, args.policy, args.max_num_seqs, args.prefix,
-                           args.max_migrations).run()
+                           args.max_migrations, args.lease_ms).run()
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:

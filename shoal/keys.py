@@ -20,6 +20,8 @@ class Keys:
         cancels: list of `Cancel` (gateway RPUSH, scheduler drains).
         waiting: integer, requests waiting in the scheduler's pool (scheduler SET, gateways read
             it to refuse work beyond their bound with 429).
+        lease: the active scheduler's id, with a TTL (SET NX PX, renewed by its holder).
+        progress(id): list of a request's generated token ids, for a scheduler taking over.
     """
 
     prefix: str = "shoal"
@@ -57,3 +59,10 @@ class Keys:
     @property
     def waiting(self) -> str:
         return f"{self.prefix}:waiting"
+
+    @property
+    def lease(self) -> str:
+        return f"{self.prefix}:scheduler:lease"
+
+    def progress(self, request_id: str) -> str:
+        return f"{self.prefix}:progress:{request_id}"

@@ -121,6 +121,8 @@ class IterationPlan(Message):
         run: ids of running requests that take part; None means every running request.
         release: ids to drop before running (finished elsewhere, cancelled, preempted); their
             K/V blocks are freed.
+        reset: drop every running request first (a new scheduler took over and re-admits what
+            is still unfinished).
     """
 
     TYPE: ClassVar[str] = "iteration_plan"
@@ -128,6 +130,7 @@ class IterationPlan(Message):
     admit: list[NewRequest] = field(default_factory=list)
     run: list[str] | None = None
     release: list[str] = field(default_factory=list)
+    reset: bool = False
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> IterationPlan:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 # Two busy processes on two cores make OpenMP spin; tests never need more than that.
@@ -42,10 +43,10 @@ def hf_model(model_path):
     return m.eval()
 
 
-@pytest.fixture(scope="session")
-def fleet():
-    """A real fleet: redis-server, scheduler, one float32 worker (256 MiB of K/V: 364 blocks) and
-    the gateway, each a process, with metrics exported. Shared by every test module."""
+@contextlib.contextmanager
+def running_fleet():
+    """A real fleet: redis-server, scheduler, one float32 worker "w0" (256 MiB of K/V: 364
+    blocks) and the gateway, each a process, with metrics exported."""
     import subprocess
     import sys
 
@@ -75,6 +76,29 @@ def fleet():
     finally:
         stop_all(procs)  # the fleet first, Redis last
         stop_all([redis_proc])
+
+
+@pytest.fixture(scope="session")
+def fleet():
+    """The fleet most tests share. Tests that kill its parts use their own (test_failover.py)."""
+    with running_fleet() as f:
+        yield f
+
+
+@pytest.fixture(scope="session")
+def oracle(fp32_model):
+    """Greedy tokens from the in-process float32 engine for the same prompt ids."""
+    from shoal.messages import NewRequest
+    from shoal.sampling_params import SamplingParams
+    from worker.offline import generate
+
+    engine = make_engine(fp32_model)
+
+    def run(ids, max_tokens):
+        out = generate(engine, [NewRequest("o", ids, SamplingParams(max_tokens=max_tokens,
+                                                                    temperature=0))])
+        return out["o"].token_ids
+    return run
 
 
 def make_engine(model, **kw) -> Engine:

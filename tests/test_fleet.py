@@ -11,28 +11,12 @@ import sys
 import time
 
 import httpx
-import pytest
 
 from shoal.fleet import free_port, worker_env
-from shoal.messages import NewRequest
-from shoal.sampling_params import SamplingParams
-from tests.conftest import make_engine
-from worker.offline import generate
 
 
 def _shoal(*args, **kw):
     return subprocess.Popen([sys.executable, "-m", "shoal.cli", *args], **kw)
-
-
-@pytest.fixture(scope="module")
-def oracle(fp32_model, tokenizer):
-    """Greedy tokens from the in-process engine for the same prompt ids."""
-    engine = make_engine(fp32_model)
-
-    def run(ids, max_tokens):
-        out = generate(engine, [NewRequest("o", ids, SamplingParams(max_tokens=max_tokens, temperature=0))])
-        return out["o"].token_ids
-    return run
 
 
 def _chat_ids(tokenizer, text):
@@ -291,56 +275,3 @@ def test_worker_drains_on_sigterm(fleet):
     finally:
         if w.poll() is None:
             w.kill()
-
-
-def test_worker_killed_mid_stream_costs_recomputation_not_tokens(fleet, oracle, tokenizer):
-    """SIGKILL the worker that runs a streaming request: within the heartbeat expiry the request
-    is prefilled again on the other worker with its tokens so far; the stream goes on with no
-    token missing or repeated and the greedy text of an undisturbed run."""
-    import redis
-
-    from shoal.messages import decode
-
-    r = redis.Redis.from_url(fleet["redis"])
-    victim = _shoal("worker", "--redis-url", fleet["redis"], "--worker-id", "w-victim", "--dtype",
-                    "float32", "--kv-cache-bytes", str(512 << 20), "--threads", "1", env=worker_env(1))
-    try:
-        deadline = time.monotonic() + 120
-        while not r.sismember("shoal:workers", "w-victim"):
-            assert time.monotonic() < deadline and victim.poll() is None
-            time.sleep(0.2)
-        time.sleep(1.0)  # the scheduler reads the registry every 0.25 s
-        prompt = "The history of the fishing fleet began"
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
-        expected = tokenizer.decode(oracle(ids, 60), skip_special_tokens=True)
-        import websockets.sync.client as wsc
-
-        tokens, indexes = [], []
-        with wsc.connect(fleet["url"].replace("http", "ws") + "/v1/stream") as ws:
-            ws.send(json.dumps({"prompt": prompt, "max_tokens": 60, "temperature": 0,
-                                "ignore_eos": True}))
-            while True:
-                m = json.loads(ws.recv(timeout=120))
-                if m["type"] == "token":
-                    tokens.append(m)
-                    indexes.append(m["index"])
-                    if len(tokens) == 10:
-                        # It is the one generating (its heartbeat, every second, says so).
-                        deadline = time.monotonic() + 5
-                        while decode(r.hget("shoal:worker:w-victim", "info")).num_running != 1:
-                            assert time.monotonic() < deadline
-                            time.sleep(0.05)
-                        victim.kill()
-                        killed_at = time.monotonic()
-                    if len(tokens) == 59:
-                        # Noticed within the heartbeat expiry (3 s), then prefilled again.
-                        assert time.monotonic() - killed_at < 20
-                else:
-                    assert m["type"] == "done", m
-                    break
-        assert indexes == list(range(60))
-        assert "".join(m["text"] for m in tokens) == expected
-    finally:
-        if victim.poll() is None:
-            victim.kill()
-        victim.wait()

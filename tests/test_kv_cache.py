@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shoal.messages import IterationPlan, NewRequest
+from shoal.messages import NewRequest
 from shoal.sampling_params import SamplingParams
 from tests.conftest import random_weights, tiny_config
 from worker.config import EngineConfig

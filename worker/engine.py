@@ -159,8 +159,9 @@ class Engine:
     def step(self, plan: IterationPlan | None = None) -> IterationResult:
         """Run one iteration.
 
-        Releases and admissions in `plan` take effect first; an admission the engine cannot run
-        is reported as finished with `finish_reason="error"`.
+        Releases (all running requests when `plan.reset`) and admissions in `plan` take effect
+        first; an admission the engine cannot run is reported as finished with
+        `finish_reason="error"`.
 
         Returns:
             One `TokenOutput` per request that sampled a token or finished, and the free blocks.
@@ -173,7 +174,7 @@ class Engine:
         t0 = time.perf_counter()
         plan = plan or IterationPlan()
         outputs: list[TokenOutput] = []
-        for rid in plan.release:
+        for rid in list(self.running) if plan.reset else plan.release:
             self.release(rid)
         admitted = []
         for req in plan.admit:

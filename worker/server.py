@@ -111,7 +111,7 @@ class WorkerServer:
         if self._draining.is_set() and plan.admit:
             handed_back += [TokenOutput(a.request_id, None, len(a.output_token_ids),
                                         finish_reason="preempted") for a in plan.admit]
-            plan = IterationPlan(plan.iteration, [], plan.run, plan.release)
+            plan = IterationPlan(plan.iteration, [], plan.run, plan.release, plan.reset)
         while True:
             try:
                 result = self.engine.step(plan)

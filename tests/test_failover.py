@@ -1,0 +1,119 @@
+"""Faults on real processes: a worker killed mid-stream, the active scheduler killed with a
+standby running. These tests kill parts of the fleet, so the module runs its own."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from shoal.fleet import worker_env
+from tests.conftest import running_fleet
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    with running_fleet() as f:
+        yield f
+
+
+def _shoal(*args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "shoal.cli", *args], **kw)
+
+
+def test_worker_killed_mid_stream_costs_recomputation_not_tokens(fleet, oracle, tokenizer):
+    """SIGKILL the worker that runs a streaming request: within the heartbeat expiry the request
+    is prefilled again on the other worker with its tokens so far; the stream goes on with no
+    token missing or repeated and the greedy text of an undisturbed run."""
+    import redis
+
+    from shoal.messages import decode
+
+    r = redis.Redis.from_url(fleet["redis"])
+    victim = _shoal("worker", "--redis-url", fleet["redis"], "--worker-id", "w-victim", "--dtype",
+                    "float32", "--kv-cache-bytes", str(512 << 20), "--threads", "1", env=worker_env(1))
+    try:
+        deadline = time.monotonic() + 120
+        while not r.sismember("shoal:workers", "w-victim"):
+            assert time.monotonic() < deadline and victim.poll() is None
+            time.sleep(0.2)
+        time.sleep(1.0)  # the scheduler reads the registry every 0.25 s
+        prompt = "The history of the fishing fleet began"
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        expected = tokenizer.decode(oracle(ids, 60), skip_special_tokens=True)
+        import websockets.sync.client as wsc
+
+        tokens, indexes = [], []
+        with wsc.connect(fleet["url"].replace("http", "ws") + "/v1/stream") as ws:
+            ws.send(json.dumps({"prompt": prompt, "max_tokens": 60, "temperature": 0,
+                                "ignore_eos": True}))
+            while True:
+                m = json.loads(ws.recv(timeout=120))
+                if m["type"] == "token":
+                    tokens.append(m)
+                    indexes.append(m["index"])
+                    if len(tokens) == 10:
+                        # It is the one generating (its heartbeat, every second, says so).
+                        deadline = time.monotonic() + 5
+                        while decode(r.hget("shoal:worker:w-victim", "info")).num_running != 1:
+                            assert time.monotonic() < deadline
+                            time.sleep(0.05)
+                        victim.kill()
+                        killed_at = time.monotonic()
+                    if len(tokens) == 59:
+                        # Noticed within the heartbeat expiry (3 s), then prefilled again.
+                        assert time.monotonic() - killed_at < 20
+                else:
+                    assert m["type"] == "done", m
+                    break
+        assert indexes == list(range(60))
+        assert "".join(m["text"] for m in tokens) == expected
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+        victim.wait()
+
+
+def test_standby_scheduler_takes_over_mid_stream(fleet, oracle, tokenizer):
+    """SIGKILL the active scheduler while a stream runs; the standby takes the lease when it
+    lapses, claims the pending request, resets the worker and re-admits it with the tokens
+    published so far. The client sees every index once and the undisturbed greedy text."""
+    import redis
+    import websockets.sync.client as wsc
+
+    r = redis.Redis.from_url(fleet["redis"])
+    active = fleet["procs"][0]
+    assert r.get("shoal:scheduler:lease") is not None
+    standby = _shoal("scheduler", "--redis-url", fleet["redis"])
+    fleet["procs"].insert(1, standby)  # the session's teardown stops it; it stays active after
+    time.sleep(1.0)
+    prompt = "A queue of fishing boats waited at the harbour while"
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    expected = tokenizer.decode(oracle(ids, 50), skip_special_tokens=True)
+    tokens = []
+    with wsc.connect(fleet["url"].replace("http", "ws") + "/v1/stream") as ws:
+        ws.send(json.dumps({"prompt": prompt, "max_tokens": 50, "temperature": 0,
+                            "ignore_eos": True}))
+        while True:
+            m = json.loads(ws.recv(timeout=120))
+            if m["type"] != "token":
+                assert m["type"] == "done", m
+                break
+            tokens.append(m)
+            if len(tokens) == 8:
+                active.kill()
+                active.wait()
+    assert [m["index"] for m in tokens] == list(range(50))
+    assert "".join(m["text"] for m in tokens) == expected
+    assert m["usage"]["completion_tokens"] == 50
+    owner = r.get("shoal:scheduler:lease")
+    assert owner is not None and owner.decode().endswith(f"-{standby.pid}")
+    assert standby.poll() is None
+    # The new scheduler serves new requests too.
+    c = httpx.post(fleet["url"] + "/v1/completions", timeout=60,
+                   json={"prompt": prompt, "max_tokens": 5, "temperature": 0})
+    assert c.status_code == 200 and c.json()["usage"]["completion_tokens"] == 5
