@@ -143,7 +143,7 @@ class Gateway:
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path)
         self.redis = aioredis.Redis.from_url(self.redis_url)
         pubsub = self.redis.pubsub()
-        await pubsub.subscribe(self.channel)
+        await pubsub.subscribe(self.channel)  # before any request is enqueued
         self._listener = asyncio.create_task(self._listen(pubsub))
 
     async def stop(self) -> None:
@@ -153,13 +153,37 @@ class Gateway:
             await self.redis.aclose()
 
     async def _listen(self, pubsub) -> None:
-        async for msg in pubsub.listen():
-            if msg.get("type") != "message":
-                continue
-            event = decode(msg["data"])
-            q = self.queues.get(event.request_id) if isinstance(event, TokenEvent) else None
-            if q is not None:
-                q.put_nowait(event)
+        """Route token events to the waiting requests; resubscribe with backoff after a Redis
+        outage. Events published during an outage are gone, so the requests waiting then fail
+        with a clear error instead of hanging."""
+        backoff = 0.1
+        while True:
+            try:
+                if pubsub is None:
+                    pubsub = self.redis.pubsub()
+                    await pubsub.subscribe(self.channel)
+                    log.warning("resubscribed to %s after a Redis outage", self.channel)
+                    self._fail_waiting("the request queue (Redis) restarted; retry the request")
+                backoff = 0.1
+                async for msg in pubsub.listen():
+                    if msg.get("type") != "message":
+                        continue
+                    event = decode(msg["data"])
+                    q = self.queues.get(event.request_id) if isinstance(event, TokenEvent) else None
+                    if q is not None:
+                        q.put_nowait(event)
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+                log.warning("token channel lost (%s); retrying in %.1f s", e, backoff)
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+                pubsub = None
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    def _fail_waiting(self, message: str) -> None:
+        for rid, q in self.queues.items():
+            q.put_nowait(TokenEvent(rid, 0, [], finish_reason="error", error=message,
+                                    error_status=503))
 
     # -- request preparation ------------------------------------------------------------------
 

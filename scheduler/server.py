@@ -15,6 +15,7 @@ stream entry is acknowledged (XACK) only when it has finished.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -75,29 +76,40 @@ class SchedulerServer:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
-        try:
-            self.redis.xgroup_create(self.keys.requests, self.keys.scheduler_group, id="0",
-                                     mkstream=True)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
         log.info("scheduler %s up (policy %s), waiting for the lease", self.consumer,
                  self.core.policy)
+        backoff = 0.1
         while not self._stop:
-            if not self._hold_lease():
-                if self._active:
-                    log.error("scheduler %s lost its lease; exiting so it can restart as standby",
-                              self.consumer)
-                    return 1
-                time.sleep(min(0.5, self.lease_ms / 4000))
-                continue
-            if not self._active:
-                self._take_over()
-                self._active = True
-            self.tick()
+            try:
+                if not self._hold_lease():
+                    if self._active:
+                        log.error("scheduler %s lost its lease; standing by", self.consumer)
+                        self._step_down()
+                    time.sleep(min(0.5, self.lease_ms / 4000))
+                    continue
+                if not self._active:
+                    self._take_over()
+                    self._active = True
+                self.tick()
+                backoff = 0.1
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                # Redis went away: what it held may be gone too, so start over as a standby.
+                log.warning("Redis unavailable (%s); retrying in %.1f s", e, backoff)
+                self._step_down()
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
         if self._active:  # hand over at once rather than after the lease expires
-            self.redis.delete(self.keys.lease)
+            with contextlib.suppress(redis.RedisError):
+                self.redis.delete(self.keys.lease)
         return 0
+
+    def _step_down(self) -> None:
+        """Forget everything; a (re)takeover rebuilds it from Redis."""
+        self._active = False
+        self.core = Scheduler(self.core.policy, self.core.max_num_seqs, self.core.max_migrations)
+        self.entry_ids.clear()
+        self._reply_to.clear()
+        self._published_waiting = -1
 
     def _hold_lease(self) -> bool:
         """Acquire the lease, or renew it about three times per TTL. True while we hold it."""
@@ -115,6 +127,12 @@ class SchedulerServer:
     def _take_over(self) -> None:
         """Become the active scheduler: reset workers and rebuild the pool from Redis."""
         log.info("scheduler %s is active", self.consumer)
+        try:
+            self.redis.xgroup_create(self.keys.requests, self.keys.scheduler_group, id="0",
+                                     mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
         self._refresh_workers()
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(self.keys.results)  # answers to a predecessor's plans

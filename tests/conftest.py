@@ -67,15 +67,17 @@ def running_fleet():
         shoal("gateway", "--redis-url", url, "--port", str(gport)),
     ]
     base = f"http://127.0.0.1:{gport}"
+    fleet = {"url": base, "redis": url, "procs": procs, "redis_proc": redis_proc,
+             "redis_port": rport,
+             "metrics": {"gateway": f"{base}/metrics",
+                         "scheduler": f"http://127.0.0.1:{sport}/metrics",
+                         "worker": f"http://127.0.0.1:{wport}/metrics"}}
     try:
         wait_ready(base, procs + [redis_proc], timeout_s=180)
-        yield {"url": base, "redis": url, "procs": procs,
-               "metrics": {"gateway": f"{base}/metrics",
-                           "scheduler": f"http://127.0.0.1:{sport}/metrics",
-                           "worker": f"http://127.0.0.1:{wport}/metrics"}}
+        yield fleet
     finally:
-        stop_all(procs)  # the fleet first, Redis last
-        stop_all([redis_proc])
+        stop_all(procs)  # the fleet first, Redis last (a test may have restarted it)
+        stop_all([fleet["redis_proc"]])
 
 
 @pytest.fixture(scope="session")

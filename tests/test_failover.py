@@ -117,3 +117,27 @@ def test_standby_scheduler_takes_over_mid_stream(fleet, oracle, tokenizer):
     c = httpx.post(fleet["url"] + "/v1/completions", timeout=60,
                    json={"prompt": prompt, "max_tokens": 5, "temperature": 0})
     assert c.status_code == 200 and c.json()["usage"]["completion_tokens"] == 5
+
+
+def test_redis_outage_gives_503_and_the_fleet_recovers_by_itself(fleet):
+    from shoal.fleet import start_redis
+
+    body = {"prompt": "After the storm", "max_tokens": 4, "temperature": 0}
+    assert httpx.post(fleet["url"] + "/v1/completions", json=body, timeout=60).status_code == 200
+    fleet["redis_proc"].terminate()
+    fleet["redis_proc"].wait(10)
+    try:
+        r = httpx.post(fleet["url"] + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503
+        assert "Redis" in r.json()["error"]["message"]
+        assert httpx.get(fleet["url"] + "/readyz", timeout=30).status_code == 503
+        time.sleep(2)  # every part notices and backs off
+    finally:
+        fleet["redis_proc"] = start_redis(fleet["redis_port"])  # empty, as a restarted Redis is
+    deadline = time.monotonic() + 60
+    while httpx.get(fleet["url"] + "/readyz", timeout=30).status_code != 200:
+        assert time.monotonic() < deadline, "the workers never registered again"
+        time.sleep(0.5)
+    r = httpx.post(fleet["url"] + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert all(p.poll() is None for p in fleet["procs"]), "a part died instead of reconnecting"

@@ -8,6 +8,7 @@ is asked to admit, finishes what it runs, deregisters and exits 0.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -90,18 +91,28 @@ class WorkerServer:
         threading.Thread(target=self._heartbeat_loop, daemon=True).start()
         log.info("worker %s serving %s with %d K/V blocks", self.worker_id, self.model,
                  self.engine.num_total_blocks)
+        backoff = 0.1
         try:
             while not (self._draining.is_set() and not self.engine.running):
-                item = self.redis.blpop([self.keys.plans(self.worker_id)], timeout=0.5)
-                if item is None:
-                    continue
-                plan = decode(item[1])
-                assert isinstance(plan, IterationPlan)
-                self.redis.rpush(self.keys.results, encode(self.step(plan)))
+                try:
+                    item = self.redis.blpop([self.keys.plans(self.worker_id)], timeout=0.5)
+                    if item is None:
+                        continue
+                    plan = decode(item[1])
+                    assert isinstance(plan, IterationPlan)
+                    self.redis.rpush(self.keys.results, encode(self.step(plan)))
+                    backoff = 0.1
+                except (redis.ConnectionError, redis.TimeoutError) as e:
+                    # The heartbeat thread re-registers once Redis is back; a scheduler that
+                    # takes over then resets this engine.
+                    log.warning("Redis unavailable (%s); retrying in %.1f s", e, backoff)
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
         finally:
             self._stopped.set()
-            self._heartbeat(self.redis)  # last word: draining, with what is left
-            self._deregister()
+            with contextlib.suppress(redis.RedisError):
+                self._heartbeat(self.redis)  # last word: draining, with what is left
+                self._deregister()
         return 0
 
     def step(self, plan: IterationPlan) -> IterationResult:
