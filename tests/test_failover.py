@@ -107,6 +107,7 @@ def test_standby_scheduler_takes_over_mid_stream(fleet, oracle, tokenizer):
             if len(tokens) == 8:
                 active.kill()
                 active.wait()
+                fleet["procs"].remove(active)
     assert [m["index"] for m in tokens] == list(range(50))
     assert "".join(m["text"] for m in tokens) == expected
     assert m["usage"]["completion_tokens"] == 50
