@@ -138,12 +138,14 @@ class Gateway:
         self._listener: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self.max_model_len = 8192
+        self.subscribed = False  # the token channel is live: requests may be enqueued
 
     async def start(self) -> None:
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path)
         self.redis = aioredis.Redis.from_url(self.redis_url)
         pubsub = self.redis.pubsub()
         await pubsub.subscribe(self.channel)  # before any request is enqueued
+        self.subscribed = True
         self._listener = asyncio.create_task(self._listen(pubsub))
 
     async def stop(self) -> None:
@@ -154,8 +156,9 @@ class Gateway:
 
     async def _listen(self, pubsub) -> None:
         """Route token events to the waiting requests; resubscribe with backoff after a Redis
-        outage. Events published during an outage are gone, so the requests waiting then fail
-        with a clear error instead of hanging."""
+        outage. Events published while the channel is down are gone, so the requests waiting
+        then fail with a clear error instead of hanging, and new ones are refused (503) until it
+        is back."""
         backoff = 0.1
         while True:
             try:
@@ -163,7 +166,7 @@ class Gateway:
                     pubsub = self.redis.pubsub()
                     await pubsub.subscribe(self.channel)
                     log.warning("resubscribed to %s after a Redis outage", self.channel)
-                    self._fail_waiting("the request queue (Redis) restarted; retry the request")
+                self.subscribed = True
                 backoff = 0.1
                 async for msg in pubsub.listen():
                     if msg.get("type") != "message":
@@ -174,6 +177,9 @@ class Gateway:
                         q.put_nowait(event)
             except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
                 log.warning("token channel lost (%s); retrying in %.1f s", e, backoff)
+                self.subscribed = False
+                self._fail_waiting("the connection to the request queue (Redis) was lost; "
+                                   "retry the request")
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
                 pubsub = None
@@ -304,12 +310,16 @@ class Gateway:
         task.add_done_callback(self._background.discard)
 
     async def check_capacity(self, max_waiting: int) -> None:
-        """Refuse new work while the scheduler's pool holds `max_waiting` requests.
+        """Refuse new work while the token channel is down or the scheduler's pool holds
+        `max_waiting` requests.
 
         Raises:
-            APIError: 429, with the pool's size in the message.
+            APIError: 503 while reconnecting to Redis; 429 with the pool's size when overloaded.
         """
         assert self.redis is not None
+        if not self.subscribed:
+            raise APIError("the gateway is reconnecting to the request queue (Redis); retry",
+                           status=503, kind="server_error")
         waiting = int(await self.redis.get(self.keys.waiting) or 0)
         if waiting >= max_waiting:
             raise APIError(f"the fleet is overloaded: {waiting} requests are waiting; retry later",
@@ -317,6 +327,8 @@ class Gateway:
 
     async def ready(self) -> tuple[bool, str]:
         assert self.redis is not None
+        if not self.subscribed:
+            return False, "not subscribed to the token channel (Redis reconnecting)"
         try:
             ids = [i.decode() for i in await self.redis.smembers(self.keys.workers)]
         except Exception as e:  # noqa: BLE001 - any Redis failure means not ready
