@@ -74,15 +74,17 @@ class Scheduler:
         policy: "reserve" or "ondemand".
         max_num_seqs: cap on requests per worker per iteration (the worker's own cap applies too).
         max_migrations: a request whose worker is lost more often than this fails.
+        queue_deadline_s: a request still waiting this long after its arrival fails (0: never).
     """
 
     def __init__(self, policy: str = "reserve", max_num_seqs: int = 256,
-                 max_migrations: int = 3) -> None:
+                 max_migrations: int = 3, queue_deadline_s: float = 0.0) -> None:
         if policy not in ("reserve", "ondemand"):
             raise ValueError(f"unknown policy {policy!r}; expected reserve or ondemand")
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_migrations = max_migrations
+        self.queue_deadline_s = queue_deadline_s
         self.waiting: deque[RequestState] = deque()
         self.requests: dict[str, RequestState] = {}
         self.workers: dict[str, WorkerState] = {}
@@ -162,6 +164,21 @@ class Scheduler:
         if self.policy == "reserve":
             return w.free_blocks
         return w.info.num_free_blocks  # advertised, as of its last result
+
+    def expire(self, now: float) -> None:
+        """Fail waiting requests older than `queue_deadline_s` (Unix time `now`), into `failed`."""
+        if not self.queue_deadline_s:
+            return
+        keep: deque[RequestState] = deque()
+        for s in self.waiting:
+            if now - s.sub.arrival_time > self.queue_deadline_s and s.admitted_at is None:
+                del self.requests[s.sub.request_id]
+                self.failed.append(self._event(
+                    s, [], "error", f"the request waited more than {self.queue_deadline_s:g} s "
+                    "for a worker", status=503))
+            else:
+                keep.append(s)
+        self.waiting = keep
 
     def place(self) -> list[RequestState]:
         """Assign waiting requests, in arrival order, to the worker with the most free K/V.

@@ -55,10 +55,11 @@ return 0
 
 class SchedulerServer:
     def __init__(self, redis_url: str, policy: str = "reserve", max_num_seqs: int = 256,
-                 prefix: str = "shoal", max_migrations: int = 3, lease_ms: int = 3000) -> None:
+                 prefix: str = "shoal", max_migrations: int = 3, lease_ms: int = 3000,
+                 queue_deadline_s: float = 0.0) -> None:
         self.redis = redis.Redis.from_url(redis_url)
         self.keys = Keys(prefix)
-        self.core = Scheduler(policy, max_num_seqs, max_migrations)
+        self.core = Scheduler(policy, max_num_seqs, max_migrations, queue_deadline_s)
         self.consumer = f"scheduler-{os.uname().nodename}-{os.getpid()}"
         self.lease_ms = lease_ms
         self._renew = self.redis.register_script(_RENEW)
@@ -106,7 +107,8 @@ class SchedulerServer:
     def _step_down(self) -> None:
         """Forget everything; a (re)takeover rebuilds it from Redis."""
         self._active = False
-        self.core = Scheduler(self.core.policy, self.core.max_num_seqs, self.core.max_migrations)
+        c = self.core
+        self.core = Scheduler(c.policy, c.max_num_seqs, c.max_migrations, c.queue_deadline_s)
         self.entry_ids.clear()
         self._reply_to.clear()
         self._published_waiting = -1
@@ -162,6 +164,7 @@ class SchedulerServer:
         if time.monotonic() - self._last_refresh > REGISTRY_REFRESH_S:
             self._refresh_workers()
         now = time.time()
+        self.core.expire(now)
         for s in self.core.place():
             if s.admitted_at is None:
                 s.admitted_at = now

@@ -88,6 +88,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="a request whose worker is lost more often than this fails")
     s.add_argument("--lease-ms", type=_positive_int, default=3000,
                    help="the active scheduler's lease; a standby takes over when it lapses")
+    s.add_argument("--queue-deadline", type=float, default=0.0,
+                   help="seconds a request may wait for a worker before it fails (0 = no limit)")
 
     gw = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
     gw.add_argument("--redis-url", required=True)
@@ -262,7 +264,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     serve_metrics(args.metrics_port)
 
     return SchedulerServer(args.redis_url, args.policy, args.max_num_seqs, args.prefix,
-                           args.max_migrations, args.lease_ms).run()
+                           args.max_migrations, args.lease_ms, args.queue_deadline).run()
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:

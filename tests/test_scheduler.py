@@ -205,3 +205,18 @@ def test_a_request_migrated_too_often_fails_clearly():
             assert "r" not in sched.requests and not sched.waiting
         else:
             assert failed == [] and sched.requests["r"].migrations == 1
+
+
+def test_queue_deadline_fails_requests_that_wait_too_long():
+    sched = Scheduler("reserve", queue_deadline_s=5.0)
+    w = SimWorker("w", 10)
+    sched.update_worker(w.info())
+    sched.add_request(_sub("big", 20, 8, 100.0))  # 7 of 10 blocks
+    sched.add_request(_sub("late", 20, 8, 101.0))  # must wait for "big"
+    sched.place()
+    sched.expire(now=104.0)
+    assert sched.failed == [] and "late" in sched.requests
+    sched.expire(now=106.5)  # "late" has waited 5.5 s; "big" runs and is not affected
+    assert [(e.request_id, e.finish_reason, e.error_status) for e in sched.failed] == [("late", "error", 503)]
+    assert "waited more than 5 s" in sched.failed[0].error
+    assert "late" not in sched.requests and "big" in sched.requests and not sched.waiting
