@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
@@ -325,6 +326,33 @@ class Gateway:
             raise APIError(f"the fleet is overloaded: {waiting} requests are waiting; retry later",
                            status=429, kind="rate_limit_error")
 
+    async def charge(self, api_key: str | None, tokens: int, settings: GatewaySettings) -> None:
+        """Count a request against its key's per-minute budgets (fixed windows in Redis, so every
+        gateway shares them). The key itself never reaches Redis, only a hash of it.
+
+        Raises:
+            APIError: 429 when a budget is spent; nothing is counted then.
+        """
+        if not (settings.requests_per_minute or settings.tokens_per_minute):
+            return
+        assert self.redis is not None
+        who = hashlib.sha256((api_key or "anonymous").encode()).hexdigest()[:16]
+        minute = int(time.time() // 60)
+        rkey = self.keys.rate(who, "requests", minute)
+        tkey = self.keys.rate(who, "tokens", minute)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.incrby(rkey, 1).incrby(tkey, tokens).expire(rkey, 120).expire(tkey, 120)
+        used_requests, used_tokens, *_ = await pipe.execute()
+        over = ((settings.requests_per_minute and used_requests > settings.requests_per_minute)
+                or (settings.tokens_per_minute and used_tokens > settings.tokens_per_minute))
+        if over:
+            pipe = self.redis.pipeline(transaction=True)
+            await pipe.decrby(rkey, 1).decrby(tkey, tokens).execute()
+            raise APIError(f"rate limit reached: at most {settings.requests_per_minute or 'any'} "
+                           f"requests and {settings.tokens_per_minute or 'any'} tokens (prompt + "
+                           "max_tokens) per minute for this API key", status=429,
+                           kind="rate_limit_error")
+
     async def ready(self) -> tuple[bool, str]:
         assert self.redis is not None
         if not self.subscribed:
@@ -375,6 +403,9 @@ class GatewaySettings:
         max_waiting: new requests get 429 while the scheduler's pool holds this many.
         max_body_bytes: larger request bodies get 400 (by their Content-Length).
         retry_after_s: the Retry-After header of a 429, in seconds.
+        requests_per_minute, tokens_per_minute: per API key (or per gateway without keys) and
+            per calendar minute, shared by every gateway through Redis; tokens count the prompt
+            plus `max_tokens`. 0 means no limit.
     """
 
     api_keys: tuple[str, ...] = ()
@@ -382,6 +413,8 @@ class GatewaySettings:
     max_waiting: int = 1024
     max_body_bytes: int = 4 << 20
     retry_after_s: int = 1
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
 
 
 def _key_ok(presented: str | None, keys: tuple[str, ...]) -> bool:
@@ -459,6 +492,12 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
     async def prometheus_metrics():
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
+    async def admit(p: Prepared, authorization: str | None, query_key: str | None = None) -> None:
+        """Overload and per-key rate limits, checked before a request is enqueued."""
+        await gw.check_capacity(settings.max_waiting)
+        key = _bearer(authorization) or query_key
+        await gw.charge(key, len(p.prompt_ids) + p.params.max_tokens, settings)
+
     @app.get("/healthz")
     async def healthz():
         return {"status": "ok"}
@@ -496,9 +535,9 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         return StreamingResponse(body(), media_type="text/event-stream")
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         p = gw.prepare_completion(req)
-        await gw.check_capacity(settings.max_waiting)
+        await admit(p, request.headers.get("authorization"))
         created = int(time.time())
         base = {"id": p.request_id, "object": "text_completion", "created": created, "model": gw.model}
         if req.stream:
@@ -522,9 +561,9 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
                                      "finish_reason": _finish(last)}], "usage": _usage(last)}
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
+    async def chat(req: ChatRequest, request: Request):
         p = gw.prepare_chat(req)
-        await gw.check_capacity(settings.max_waiting)
+        await admit(p, request.headers.get("authorization"))
         created = int(time.time())
         base = {"id": p.request_id, "object": "chat.completion.chunk", "created": created,
                 "model": gw.model}
@@ -569,7 +608,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
                      else gw.prepare_completion(CompletionRequest(**body)))
             except ValidationError as e:
                 raise APIError(str(e.errors()[0].get("msg"))) from e
-            await gw.check_capacity(settings.max_waiting)
+            await admit(p, ws.headers.get("authorization"), ws.query_params.get("api_key"))
             index = 0
             async for piece, ev in gw.run(p):
                 for t in ev.token_ids:

@@ -104,6 +104,10 @@ def _build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--max-waiting", type=_positive_int, default=1024,
                     help="answer 429 while this many requests wait in the scheduler's pool")
     gw.add_argument("--max-body-bytes", type=_positive_int, default=4 << 20)
+    gw.add_argument("--requests-per-minute", type=int, default=0,
+                    help="per API key (0 = no limit); answered with 429 beyond")
+    gw.add_argument("--tokens-per-minute", type=int, default=0,
+                    help="prompt + max_tokens per API key per minute (0 = no limit)")
 
     u = sub.add_parser("up", help="the whole fleet: Redis, scheduler, workers and gateway")
     u.add_argument("--host", default="127.0.0.1")
@@ -284,7 +288,9 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
             raise CLIError(f"cannot read --api-key-file: {e}") from e
     public = ("/healthz", "/readyz") + (("/metrics",) if args.public_metrics else ())
     settings = GatewaySettings(api_keys=tuple(keys), public_paths=public,
-                               max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
+                               max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+                               requests_per_minute=args.requests_per_minute,
+                               tokens_per_minute=args.tokens_per_minute)
     uvicorn.run(create_app(args.redis_url, args.model, args.prefix, settings), host=args.host,
                 port=args.port, log_level="warning")
     return 0

@@ -66,3 +66,7 @@ class Keys:
 
     def progress(self, request_id: str) -> str:
         return f"{self.prefix}:progress:{request_id}"
+
+    def rate(self, who: str, what: str, minute: int) -> str:
+        """Counter of `what` ("requests" or "tokens") used by `who` (a key hash) in `minute`."""
+        return f"{self.prefix}:rate:{who}:{what}:{minute}"

@@ -122,3 +122,31 @@ def test_overload_gets_429_with_retry_after(guarded, fleet):
     while int(r.get("shoal:waiting") or 0) != 0:
         assert time.monotonic() < deadline
         time.sleep(0.1)
+
+
+def test_per_key_request_and_token_limits(fleet):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "shoal.cli", "gateway", "--redis-url",
+                             fleet["redis"], "--port", str(port), "--api-key", "key-a",
+                             "--api-key", "key-b", "--requests-per-minute", "2",
+                             "--tokens-per-minute", "60"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, [proc], timeout_s=120)
+        if time.time() % 60 > 45:  # keep the test inside one fixed one-minute window
+            time.sleep(61 - time.time() % 60)
+
+        def post(key, max_tokens=3):
+            return httpx.post(url + "/v1/completions", timeout=60,
+                              headers={"Authorization": f"Bearer {key}"},
+                              json={"prompt": "Hi there", "max_tokens": max_tokens, "temperature": 0})
+
+        too_many_tokens = post("key-a", max_tokens=100)  # 2 + 100 tokens > 60: refused, not counted
+        assert too_many_tokens.status_code == 429 and "tokens" in too_many_tokens.json()["error"]["message"]
+        assert [post("key-a").status_code for _ in range(3)] == [200, 200, 429]
+        third = post("key-a")
+        assert third.status_code == 429 and third.headers["retry-after"] == "1"
+        assert third.json()["error"]["type"] == "rate_limit_error"
+        assert post("key-b").status_code == 200  # budgets are per key
+    finally:
+        stop_all([proc])
