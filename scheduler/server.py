@@ -234,6 +234,11 @@ class SchedulerServer:
                 info = decode(raw)
                 assert isinstance(info, WorkerInfo)
                 known = self.core.workers.get(wid)
+                if known is not None and known.info.incarnation != info.incarnation:
+                    # Restarted under the same id: the old process and its requests are gone.
+                    log.warning("worker %s restarted", wid)
+                    self._lose_worker(wid)
+                    known = None
                 if known is not None:  # keep the fresher free-block count from results
                     info = WorkerInfo(**{**info.to_dict(), "num_free_blocks": known.info.num_free_blocks})
                 self.core.update_worker(info)
@@ -244,17 +249,22 @@ class SchedulerServer:
             metrics.KV_BLOCKS_TOTAL.labels(wid).set(w.info.num_total_blocks)
         for wid in list(self.core.workers):
             if wid not in seen:
-                metrics.KV_BLOCKS_FREE.remove(wid)
-                metrics.KV_BLOCKS_TOTAL.remove(wid)
-                lost = len(self.core.workers[wid].running)
-                failed = self.core.remove_worker(wid)
-                log.warning("worker %s gone; %d requests back to the pool, %d failed", wid,
-                            lost - len(failed), len(failed))
-                metrics.REQUESTS_FINISHED.labels("error").inc(len(failed))
-                self._publish(failed)
-                # Its plans will never be read; a worker restarted under the same id starts clean.
+                self._lose_worker(wid)
                 self.redis.srem(self.keys.workers, wid)
-                self.redis.delete(self.keys.plans(wid))
+
+    def _lose_worker(self, wid: str) -> None:
+        """A worker died: its requests go back to the pool (or fail past --max-migrations)."""
+        with contextlib.suppress(KeyError):
+            metrics.KV_BLOCKS_FREE.remove(wid)
+            metrics.KV_BLOCKS_TOTAL.remove(wid)
+        lost = len(self.core.workers[wid].running)
+        failed = self.core.remove_worker(wid)
+        log.warning("worker %s gone; %d requests back to the pool, %d failed", wid,
+                    lost - len(failed), len(failed))
+        metrics.REQUESTS_FINISHED.labels("error").inc(len(failed))
+        self._publish(failed)
+        # Plans queued for the dead process must not reach one restarted under the same id.
+        self.redis.delete(self.keys.plans(wid))
 
     def _send_plans(self) -> None:
         for wid, w in self.core.workers.items():

@@ -122,6 +122,18 @@ def _build_parser() -> argparse.ArgumentParser:
     u.add_argument("--metrics-port-base", type=int, default=9400,
                    help="scheduler /metrics on this port, worker i on base+1+i (0 = off)")
 
+    ch = sub.add_parser("chaos", help="requests through a fleet whose workers keep dying")
+    ch.add_argument("--requests", type=_positive_int, default=24)
+    ch.add_argument("--workers", type=_positive_int, default=3)
+    ch.add_argument("--max-tokens", type=_positive_int, default=32)
+    ch.add_argument("--kill-interval", type=float, default=2.0, help="seconds between kills")
+    ch.add_argument("--restart-delay", type=float, default=1.0,
+                    help="seconds before a killed worker is started again")
+    ch.add_argument("--kill-scheduler", action="store_true",
+                    help="also kill the active scheduler once (a standby takes over)")
+    ch.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32")
+    ch.add_argument("--seed", type=int, default=0)
+
     c = sub.add_parser("chat", help="stream a reply from a running gateway")
     c.add_argument("--url", default="http://127.0.0.1:8000")
     c.add_argument("--max-tokens", type=_positive_int, default=256)
@@ -311,6 +323,29 @@ def _cmd_up(args: argparse.Namespace) -> int:
         raise CLIError(str(e)) from e
 
 
+def _cmd_chaos(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from shoal.chaos import passed, run_chaos
+
+    try:
+        r = run_chaos(args.requests, args.workers, args.max_tokens, args.kill_interval,
+                      args.restart_delay, args.kill_scheduler, args.dtype, args.seed)
+    except (RuntimeError, FileNotFoundError) as e:
+        raise CLIError(str(e)) from e
+    table = Table(title="shoal chaos")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for k, v in r.items():
+        table.add_row(k.replace("_", " "), str(v))
+    Console().print(table)
+    ok = passed(r)
+    print("PASS: every request completed, nothing duplicated or missing, outputs equal"
+          if ok else "FAIL")
+    return 0 if ok else 1
+
+
 def _cmd_chat(args: argparse.Namespace) -> int:
     import json
 
@@ -365,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     handlers = {"generate": _cmd_generate, "bench": _cmd_bench, "worker": _cmd_worker,
                 "scheduler": _cmd_scheduler, "gateway": _cmd_gateway, "up": _cmd_up,
-                "chat": _cmd_chat}
+                "chat": _cmd_chat, "chaos": _cmd_chaos}
     try:
         return handlers[args.command](args)
     except (CLIError, ModelNotFoundError) as e:

@@ -229,6 +229,8 @@ class WorkerInfo(Message):
         max_model_len: context window in tokens.
         num_running: requests in its engine.
         draining: it takes no new requests (SIGTERM received).
+        incarnation: random per process start; a worker restarted under the same id has a new
+            one, so the scheduler knows the old process (and what it ran) is gone.
     """
 
     TYPE: ClassVar[str] = "worker_info"
@@ -241,6 +243,7 @@ class WorkerInfo(Message):
     max_model_len: int
     num_running: int = 0
     draining: bool = False
+    incarnation: str = ""
 
 
 @dataclass(frozen=True)

@@ -49,12 +49,13 @@ class WorkerServer:
         self.redis = redis.Redis.from_url(settings.redis_url)
         self._draining = threading.Event()
         self._stopped = threading.Event()
+        self.incarnation = uuid.uuid4().hex[:12]
 
     def info(self) -> WorkerInfo:
         e = self.engine
         return WorkerInfo(self.worker_id, self.model, e.num_total_blocks, e.num_free_blocks,
                           e.block_size, e.cfg.max_num_seqs, e.max_model_len, len(e.running),
-                          self._draining.is_set())
+                          self._draining.is_set(), self.incarnation)
 
     def _heartbeat(self, r: redis.Redis) -> None:
         info = encode(self.info())
