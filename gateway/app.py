@@ -17,15 +17,16 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import redis
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway import metrics
 from shoal.detokenizer import IncrementalDetokenizer
@@ -50,32 +51,68 @@ class APIError(Exception):
                           "code": None}}
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorDetail
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI documentation of the error statuses an endpoint may answer."""
+    why = {400: "invalid request", 401: "missing or invalid API key", 404: "unknown model",
+           429: "overloaded or rate limited (see Retry-After)", 503: "the queue is unavailable"}
+    return {code: {"model": ErrorBody, "description": why[code]} for code in statuses}
+
+
+GENERATION_RESPONSES = {
+    200: {"description": "a JSON response, or Server-Sent Events with `stream: true`",
+          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    **_errors(400, 401, 404, 429, 503),
+}
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+INT32_MAX = 2**31 - 1  # bounds that every part (msgpack, torch) can carry
+
+
 class _Common(BaseModel):
+    model_config = ConfigDict(strict=True)  # no "5" for 5, no false for a token id
+
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = -1
-    seed: int | None = None
+    top_k: int = Field(default=-1, ge=-1, le=INT32_MAX)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=1, description="only 1 is supported")
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     logprobs: Any = None
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
+    prompt: Annotated[str, Field(min_length=1)] | \
+        Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)] | \
+        Annotated[list[str], Field(min_length=1, max_length=1)]
     logprobs: int | None = None
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
 
@@ -453,6 +490,14 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         headers = {"Retry-After": str(settings.retry_after_s)} if e.status == 429 else None
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException):
+        # Starlette's own errors (an unparsable body, 404 and 405 on unknown routes) get
+        # OpenAI's error body like ours.
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return JSONResponse(APIError(str(e.detail), status=e.status_code, kind=kind).body(),
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
+
     @app.exception_handler(redis.RedisError)
     async def _redis_error(_: Request, e: redis.RedisError):
         return JSONResponse(APIError(f"the request queue (Redis) is unavailable: {e}", status=503,
@@ -488,7 +533,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         metrics.REQUESTS.labels(endpoint, str(response.status_code)).inc()
         return response
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: {"content": {"text/plain": {}}}, **_errors(401)})
     async def prometheus_metrics():
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
@@ -502,24 +547,25 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
     async def healthz():
         return {"status": "ok"}
 
-    @app.get("/readyz")
+    @app.get("/readyz", responses={503: {"description": "not ready: no worker or no Redis"}})
     async def readyz():
         ok, why = await gw.ready()
         return JSONResponse({"status": "ok" if ok else "unavailable", "detail": why},
                             status_code=200 if ok else 503)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(401))
     async def models():
         return {"object": "list", "data": [{"id": gw.model, "object": "model", "created": 0,
                                             "owned_by": "shoal"}]}
 
     async def _collect(p: Prepared) -> tuple[str, TokenEvent, list[int], list[float | None]]:
         text, last, ids, lps = "", None, [], []
-        async for piece, ev in gw.run(p):
-            text += piece
-            ids += ev.token_ids
-            lps += ev.logprobs
-            last = ev
+        async with contextlib.aclosing(gw.run(p)) as events:
+            async for piece, ev in events:
+                text += piece
+                ids += ev.token_ids
+                lps += ev.logprobs
+                last = ev
         assert last is not None
         if last.finish_reason == "error":
             status = last.error_status or 503
@@ -534,7 +580,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
             yield "data: [DONE]\n\n"
         return StreamingResponse(body(), media_type="text/event-stream")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(req: CompletionRequest, request: Request):
         p = gw.prepare_completion(req)
         await admit(p, request.headers.get("authorization"))
@@ -542,15 +588,16 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         base = {"id": p.request_id, "object": "text_completion", "created": created, "model": gw.model}
         if req.stream:
             async def chunks():
-                async for piece, ev in gw.run(p):
-                    if ev.finish_reason == "error":
-                        yield _error_chunk(ev)
-                        return
-                    if piece or ev.finish_reason:
-                        yield {**base, "choices": [{"index": 0, "text": piece, "logprobs": None,
-                                                    "finish_reason": _finish(ev)}]}
-                    if ev.finish_reason and req.stream_options and req.stream_options.include_usage:
-                        yield {**base, "choices": [], "usage": _usage(ev)}
+                async with contextlib.aclosing(gw.run(p)) as events:
+                    async for piece, ev in events:
+                        if ev.finish_reason == "error":
+                            yield _error_chunk(ev)
+                            return
+                        if piece or ev.finish_reason:
+                            yield {**base, "choices": [{"index": 0, "text": piece, "logprobs": None,
+                                                        "finish_reason": _finish(ev)}]}
+                        if ev.finish_reason and req.stream_options and req.stream_options.include_usage:
+                            yield {**base, "choices": [], "usage": _usage(ev)}
             return _sse(chunks())
         text, last, ids, lps = await _collect(p)
         logprobs = None
@@ -560,7 +607,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         return {**base, "choices": [{"index": 0, "text": text, "logprobs": logprobs,
                                      "finish_reason": _finish(last)}], "usage": _usage(last)}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat(req: ChatRequest, request: Request):
         p = gw.prepare_chat(req)
         await admit(p, request.headers.get("authorization"))
@@ -571,16 +618,17 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
             async def chunks():
                 yield {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                             "finish_reason": None}]}
-                async for piece, ev in gw.run(p):
-                    if ev.finish_reason == "error":
-                        yield _error_chunk(ev)
-                        return
-                    if piece or ev.finish_reason:
-                        delta = {"content": piece} if piece else {}
-                        yield {**base, "choices": [{"index": 0, "delta": delta,
-                                                    "finish_reason": _finish(ev)}]}
-                    if ev.finish_reason and req.stream_options and req.stream_options.include_usage:
-                        yield {**base, "choices": [], "usage": _usage(ev)}
+                async with contextlib.aclosing(gw.run(p)) as events:
+                    async for piece, ev in events:
+                        if ev.finish_reason == "error":
+                            yield _error_chunk(ev)
+                            return
+                        if piece or ev.finish_reason:
+                            delta = {"content": piece} if piece else {}
+                            yield {**base, "choices": [{"index": 0, "delta": delta,
+                                                        "finish_reason": _finish(ev)}]}
+                        if ev.finish_reason and req.stream_options and req.stream_options.include_usage:
+                            yield {**base, "choices": [], "usage": _usage(ev)}
             return _sse(chunks())
         text, last, ids, lps = await _collect(p)
         logprobs = None
@@ -610,16 +658,17 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
                 raise APIError(str(e.errors()[0].get("msg"))) from e
             await admit(p, ws.headers.get("authorization"), ws.query_params.get("api_key"))
             index = 0
-            async for piece, ev in gw.run(p):
-                for t in ev.token_ids:
-                    await ws.send_json({"type": "token", "index": index, "token_id": t,
-                                        "text": piece})
-                    piece, index = "", index + 1
-                if ev.finish_reason == "error":
-                    raise APIError(ev.error or "generation failed", status=ev.error_status or 503)
-                if ev.finish_reason:
-                    await ws.send_json({"type": "done", "finish_reason": _finish(ev),
-                                        "usage": _usage(ev)})
+            async with contextlib.aclosing(gw.run(p)) as events:
+                async for piece, ev in events:
+                    for t in ev.token_ids:
+                        await ws.send_json({"type": "token", "index": index, "token_id": t,
+                                            "text": piece})
+                        piece, index = "", index + 1
+                    if ev.finish_reason == "error":
+                        raise APIError(ev.error or "generation failed", status=ev.error_status or 503)
+                    if ev.finish_reason:
+                        await ws.send_json({"type": "done", "finish_reason": _finish(ev),
+                                            "usage": _usage(ev)})
         except APIError as e:
             metrics.REQUESTS.labels("/v1/stream", str(e.status)).inc()
             await ws.send_json({"type": "error", "message": str(e)})

@@ -44,9 +44,9 @@ def hf_model(model_path):
 
 
 @contextlib.contextmanager
-def running_fleet():
+def running_fleet(worker_args: tuple[str, ...] = ()):
     """A real fleet: redis-server, scheduler, one float32 worker "w0" (256 MiB of K/V: 364
-    blocks) and the gateway, each a process, with metrics exported."""
+    blocks, plus `worker_args`) and the gateway, each a process, with metrics exported."""
     import subprocess
     import sys
 
@@ -63,7 +63,7 @@ def running_fleet():
         shoal("scheduler", "--redis-url", url, "--metrics-port", str(sport)),
         shoal("worker", "--redis-url", url, "--worker-id", "w0", "--dtype", "float32",
               "--kv-cache-bytes", str(256 << 20), "--threads", "1", "--metrics-port", str(wport),
-              env=worker_env(1)),
+              *worker_args, env=worker_env(1)),
         shoal("gateway", "--redis-url", url, "--port", str(gport)),
     ]
     base = f"http://127.0.0.1:{gport}"
