@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -573,6 +573,24 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
                            kind="invalid_request_error" if status < 500 else "server_error")
         return text, last, ids, lps
 
+    async def _chunks(p: Prepared, base: dict, req: _Common,
+                      choice: Callable[[str, TokenEvent], dict],
+                      first: dict | None = None) -> AsyncIterator[dict]:
+        """The stream's chunks: `choice(text, event)` shapes each one (completions and chat
+        differ only there); a failure becomes an error object; usage last if asked for."""
+        if first is not None:
+            yield first
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        async with contextlib.aclosing(gw.run(p)) as events:
+            async for piece, ev in events:
+                if ev.finish_reason == "error":
+                    yield _error_chunk(ev)
+                    return
+                if piece or ev.finish_reason:
+                    yield {**base, "choices": [choice(piece, ev)]}
+                if ev.finish_reason and include_usage:
+                    yield {**base, "choices": [], "usage": _usage(ev)}
+
     def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
         async def body():
             async for c in chunks:
@@ -587,18 +605,8 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         created = int(time.time())
         base = {"id": p.request_id, "object": "text_completion", "created": created, "model": gw.model}
         if req.stream:
-            async def chunks():
-                async with contextlib.aclosing(gw.run(p)) as events:
-                    async for piece, ev in events:
-                        if ev.finish_reason == "error":
-                            yield _error_chunk(ev)
-                            return
-                        if piece or ev.finish_reason:
-                            yield {**base, "choices": [{"index": 0, "text": piece, "logprobs": None,
-                                                        "finish_reason": _finish(ev)}]}
-                        if ev.finish_reason and req.stream_options and req.stream_options.include_usage:
-                            yield {**base, "choices": [], "usage": _usage(ev)}
-            return _sse(chunks())
+            return _sse(_chunks(p, base, req, lambda piece, ev: {
+                "index": 0, "text": piece, "logprobs": None, "finish_reason": _finish(ev)}))
         text, last, ids, lps = await _collect(p)
         logprobs = None
         if req.logprobs is not None:
@@ -615,21 +623,11 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         base = {"id": p.request_id, "object": "chat.completion.chunk", "created": created,
                 "model": gw.model}
         if req.stream:
-            async def chunks():
-                yield {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                            "finish_reason": None}]}
-                async with contextlib.aclosing(gw.run(p)) as events:
-                    async for piece, ev in events:
-                        if ev.finish_reason == "error":
-                            yield _error_chunk(ev)
-                            return
-                        if piece or ev.finish_reason:
-                            delta = {"content": piece} if piece else {}
-                            yield {**base, "choices": [{"index": 0, "delta": delta,
-                                                        "finish_reason": _finish(ev)}]}
-                        if ev.finish_reason and req.stream_options and req.stream_options.include_usage:
-                            yield {**base, "choices": [], "usage": _usage(ev)}
-            return _sse(chunks())
+            first = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                          "finish_reason": None}]}
+            return _sse(_chunks(p, base, req, lambda piece, ev: {
+                "index": 0, "delta": {"content": piece} if piece else {},
+                "finish_reason": _finish(ev)}, first=first))
         text, last, ids, lps = await _collect(p)
         logprobs = None
         if req.logprobs:

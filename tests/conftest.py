@@ -80,6 +80,33 @@ def running_fleet(worker_args: tuple[str, ...] = ()):
         stop_all([fleet["redis_proc"]])
 
 
+def spawn_worker(fleet: dict, worker_id: str, kv_cache_bytes: int):
+    """Start one more float32 worker in `fleet` and return once the scheduler can know it.
+
+    Raises:
+        AssertionError: it did not register within 120 s, or exited.
+    """
+    import subprocess
+    import sys
+    import time
+
+    import redis
+
+    from shoal.fleet import worker_env
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shoal.cli", "worker", "--redis-url", fleet["redis"], "--worker-id",
+         worker_id, "--dtype", "float32", "--kv-cache-bytes", str(kv_cache_bytes), "--threads",
+         "1"], env=worker_env(1))
+    r = redis.Redis.from_url(fleet["redis"])
+    deadline = time.monotonic() + 120
+    while not r.sismember("shoal:workers", worker_id):
+        assert time.monotonic() < deadline and proc.poll() is None, f"{worker_id} never registered"
+        time.sleep(0.2)
+    time.sleep(1.0)  # the scheduler reads the registry every 0.25 s
+    return proc
+
+
 @pytest.fixture(scope="session")
 def fleet():
     """The fleet most tests share. Tests that kill its parts use their own (test_failover.py)."""

@@ -12,8 +12,7 @@ import time
 import httpx
 import pytest
 
-from shoal.fleet import worker_env
-from tests.conftest import running_fleet
+from tests.conftest import running_fleet, spawn_worker
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +34,8 @@ def test_worker_killed_mid_stream_costs_recomputation_not_tokens(fleet, oracle, 
     from shoal.messages import decode
 
     r = redis.Redis.from_url(fleet["redis"])
-    victim = _shoal("worker", "--redis-url", fleet["redis"], "--worker-id", "w-victim", "--dtype",
-                    "float32", "--kv-cache-bytes", str(512 << 20), "--threads", "1", env=worker_env(1))
+    victim = spawn_worker(fleet, "w-victim", 512 << 20)
     try:
-        deadline = time.monotonic() + 120
-        while not r.sismember("shoal:workers", "w-victim"):
-            assert time.monotonic() < deadline and victim.poll() is None
-            time.sleep(0.2)
-        time.sleep(1.0)  # the scheduler reads the registry every 0.25 s
         prompt = "The history of the fishing fleet began"
         ids = tokenizer.encode(prompt, add_special_tokens=False)
         expected = tokenizer.decode(oracle(ids, 60), skip_special_tokens=True)

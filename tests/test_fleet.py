@@ -12,7 +12,8 @@ import time
 
 import httpx
 
-from shoal.fleet import free_port, worker_env
+from shoal.fleet import free_port
+from tests.conftest import spawn_worker
 
 
 def _shoal(*args, **kw):
@@ -189,8 +190,7 @@ def test_placement_follows_free_kv_and_disconnects_free_blocks(fleet):
     from shoal.messages import decode
 
     r = redis.Redis.from_url(fleet["redis"])
-    big = _shoal("worker", "--redis-url", fleet["redis"], "--worker-id", "w-big", "--dtype", "float32",
-                 "--kv-cache-bytes", str(512 << 20), "--threads", "1", env=worker_env(1))
+    big = spawn_worker(fleet, "w-big", 512 << 20)
 
     def info(wid):
         return decode(r.hget(f"shoal:worker:{wid}", "info"))
@@ -203,11 +203,6 @@ def test_placement_follows_free_kv_and_disconnects_free_blocks(fleet):
             streams.pop()[0].__exit__(None, None, None)
 
     try:
-        deadline = time.monotonic() + 120
-        while not r.sismember("shoal:workers", "w-big"):
-            assert time.monotonic() < deadline and big.poll() is None
-            time.sleep(0.2)
-        time.sleep(1.0)  # the scheduler reads the registry every 0.25 s
         assert (info("w0").num_total_blocks, info("w-big").num_total_blocks) == (364, 728)
         for i in range(4):  # one at a time, each running before the next arrives
             cm = client.stream("POST", fleet["url"] + "/v1/completions", json={
@@ -241,14 +236,8 @@ def test_worker_drains_on_sigterm(fleet):
     from shoal.messages import decode
 
     r = redis.Redis.from_url(fleet["redis"])
-    w = _shoal("worker", "--redis-url", fleet["redis"], "--worker-id", "w-drain", "--dtype", "float32",
-               "--kv-cache-bytes", str(512 << 20), "--threads", "1", env=worker_env(1))
+    w = spawn_worker(fleet, "w-drain", 512 << 20)
     try:
-        deadline = time.monotonic() + 120
-        while not r.sismember("shoal:workers", "w-drain"):
-            assert time.monotonic() < deadline and w.poll() is None
-            time.sleep(0.2)
-        time.sleep(1.0)  # the scheduler reads the registry every 0.25 s
         results = []
 
         def one(i):
