@@ -136,6 +136,8 @@ class Scheduler:
         return failed
 
     def cancel(self, request_id: str) -> TokenEvent | None:
+        """Drop a request (client gone, stop string hit). Returns its final event, or None if it
+        is not in the pool."""
         s = self.requests.pop(request_id, None)
         if s is None:
             return None
@@ -145,9 +147,8 @@ class Scheduler:
             w = self.workers.get(s.worker_id)
             if w:
                 w.to_admit = [x for x in w.to_admit if x.sub.request_id != request_id]
-                w.running.discard(request_id)
-                w.reserved_blocks -= s.reserved_blocks
-                w.pending_release.append(request_id)
+                w.pending_release.append(request_id)  # the worker frees its blocks
+            self._unplace(s)
         return self._event(s, [], "cancelled")
 
     # -- decisions ------------------------------------------------------------------------------
