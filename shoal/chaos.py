@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from shoal.fleet import _shoal, free_port, start_redis, stop_all, wait_ready, worker_env
+from shoal.fleet import free_port, shoal_command, start_redis, stop_all, wait_ready, worker_env
 
 
 @dataclass
@@ -71,14 +71,14 @@ def run_chaos(num_requests: int, workers: int, max_tokens: int, kill_interval_s:
     worker_args = ["--dtype", dtype, "--kv-cache-bytes", str(256 << 20), "--threads", "1"]
 
     def start_worker(i: int) -> subprocess.Popen:
-        return subprocess.Popen(_shoal("worker", "--redis-url", redis_url, "--worker-id",
+        return subprocess.Popen(shoal_command("worker", "--redis-url", redis_url, "--worker-id",
                                        f"chaos-{i}", *worker_args), env=worker_env(1))
 
-    schedulers = [subprocess.Popen(_shoal("scheduler", "--redis-url", redis_url))]
+    schedulers = [subprocess.Popen(shoal_command("scheduler", "--redis-url", redis_url))]
     if kill_scheduler:
-        schedulers.append(subprocess.Popen(_shoal("scheduler", "--redis-url", redis_url)))
+        schedulers.append(subprocess.Popen(shoal_command("scheduler", "--redis-url", redis_url)))
     pool = [start_worker(i) for i in range(workers)]
-    gateway = subprocess.Popen(_shoal("gateway", "--redis-url", redis_url, "--port", str(gport)))
+    gateway = subprocess.Popen(shoal_command("gateway", "--redis-url", redis_url, "--port", str(gport)))
     url = f"http://127.0.0.1:{gport}"
     prompts = [f"Report {i}: the fleet sailed at dawn and" for i in range(num_requests)]
     kills = {"workers": 0, "schedulers": 0}
@@ -101,7 +101,7 @@ def run_chaos(num_requests: int, workers: int, max_tokens: int, kill_interval_s:
                     schedulers[0].wait()
                     kills["schedulers"] += 1
                     scheduler_killed = True
-                    schedulers.append(subprocess.Popen(_shoal("scheduler", "--redis-url",
+                    schedulers.append(subprocess.Popen(shoal_command("scheduler", "--redis-url",
                                                               redis_url)))
                 if stop.wait(restart_delay_s):
                     pool[i] = start_worker(i)

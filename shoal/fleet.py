@@ -64,7 +64,8 @@ def start_redis(port: int) -> subprocess.Popen:
     raise RuntimeError(f"redis-server did not start on port {port}")
 
 
-def _shoal(*args: str) -> list[str]:
+def shoal_command(*args: str) -> list[str]:
+    """argv running the `shoal` CLI with `args` under this Python (no reliance on PATH)."""
     return [sys.executable, "-m", "shoal.cli", *args]
 
 
@@ -136,16 +137,16 @@ def up(host: str, port: int, workers: int, redis_url: str | None, worker_args: l
         def mport(i: int) -> str:
             return str(metrics_port_base + i if metrics_port_base else 0)
 
-        procs.append(subprocess.Popen(_shoal("scheduler", "--redis-url", redis_url,
+        procs.append(subprocess.Popen(shoal_command("scheduler", "--redis-url", redis_url,
                                              "--metrics-port", mport(0))))
         for i in range(workers):
             procs.append(subprocess.Popen(
-                _shoal("worker", "--redis-url", redis_url, "--worker-id", f"worker-{i}",
+                shoal_command("worker", "--redis-url", redis_url, "--worker-id", f"worker-{i}",
                        "--metrics-port", mport(1 + i), *worker_args),
                 env=worker_env(threads)))
         model_args = [a for i, a in enumerate(worker_args)
                       if a == "--model" or (i and worker_args[i - 1] == "--model")]
-        procs.append(subprocess.Popen(_shoal("gateway", "--redis-url", redis_url, "--host", host,
+        procs.append(subprocess.Popen(shoal_command("gateway", "--redis-url", redis_url, "--host", host,
                                              "--port", str(port), *model_args)))
         url = f"http://{host}:{port}"
         wait_ready(url, procs + ([redis_proc] if redis_proc else []), timeout_s=180)

@@ -48,16 +48,15 @@ def running_fleet(worker_args: tuple[str, ...] = ()):
     """A real fleet: redis-server, scheduler, one float32 worker "w0" (256 MiB of K/V: 364
     blocks, plus `worker_args`) and the gateway, each a process, with metrics exported."""
     import subprocess
-    import sys
 
-    from shoal.fleet import free_port, start_redis, stop_all, wait_ready, worker_env
+    from shoal.fleet import free_port, shoal_command, start_redis, stop_all, wait_ready, worker_env
 
     rport, gport, sport, wport = free_port(), free_port(), free_port(), free_port()
     redis_proc = start_redis(rport)
     url = f"redis://127.0.0.1:{rport}/0"
 
     def shoal(*args, **kw):
-        return subprocess.Popen([sys.executable, "-m", "shoal.cli", *args], **kw)
+        return subprocess.Popen([*shoal_command(), *args], **kw)
 
     procs = [
         shoal("scheduler", "--redis-url", url, "--metrics-port", str(sport)),
@@ -87,15 +86,14 @@ def spawn_worker(fleet: dict, worker_id: str, kv_cache_bytes: int):
         AssertionError: it did not register within 120 s, or exited.
     """
     import subprocess
-    import sys
     import time
 
     import redis
 
-    from shoal.fleet import worker_env
+    from shoal.fleet import shoal_command, worker_env
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shoal.cli", "worker", "--redis-url", fleet["redis"], "--worker-id",
+        [*shoal_command(), "worker", "--redis-url", fleet["redis"], "--worker-id",
          worker_id, "--dtype", "float32", "--kv-cache-bytes", str(kv_cache_bytes), "--threads",
          "1"], env=worker_env(1))
     r = redis.Redis.from_url(fleet["redis"])

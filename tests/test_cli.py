@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import subprocess
-import sys
+
+from shoal.fleet import shoal_command
 
 
 def _shoal(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "shoal.cli", *args], capture_output=True, text=True,
+    return subprocess.run([*shoal_command(), *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
+from shoal.fleet import shoal_command
 from tests.conftest import running_fleet, spawn_worker
 
 
@@ -22,7 +22,7 @@ def fleet():
 
 
 def _shoal(*args, **kw):
-    return subprocess.Popen([sys.executable, "-m", "shoal.cli", *args], **kw)
+    return subprocess.Popen([*shoal_command(), *args], **kw)
 
 
 def test_worker_killed_mid_stream_costs_recomputation_not_tokens(fleet, oracle, tokenizer):
@@ -142,7 +142,7 @@ def test_shoal_chaos_short_run():
     """Workers killed and restarted under load, and the active scheduler killed once: every
     request completes, no token index is duplicated or missing, outputs equal the undisturbed
     run."""
-    r = subprocess.run([sys.executable, "-m", "shoal.cli", "chaos", "--requests", "12",
+    r = subprocess.run([*shoal_command(), "chaos", "--requests", "12",
                         "--max-tokens", "40", "--kill-interval", "1.5", "--kill-scheduler"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:]

@@ -7,17 +7,16 @@ import asyncio
 import json
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
 
-from shoal.fleet import free_port
+from shoal.fleet import free_port, shoal_command
 from tests.conftest import spawn_worker
 
 
 def _shoal(*args, **kw):
-    return subprocess.Popen([sys.executable, "-m", "shoal.cli", *args], **kw)
+    return subprocess.Popen([*shoal_command(), *args], **kw)
 
 
 def _chat_ids(tokenizer, text):
@@ -140,7 +139,7 @@ def test_models_health_and_readiness(fleet):
 
 def test_shoal_up_serves_and_stops_cleanly():
     port = free_port()
-    up = subprocess.Popen([sys.executable, "-m", "shoal.cli", "up", "--port", str(port),
+    up = subprocess.Popen([*shoal_command(), "up", "--port", str(port),
                            "--kv-cache-bytes", str(128 << 20), "--threads", "1",
                            "--metrics-port-base", "0"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -150,7 +149,7 @@ def test_shoal_up_serves_and_stops_cleanly():
         while "ready at" not in line and time.monotonic() < deadline:
             line = up.stdout.readline()
             assert line or up.poll() is None, "shoal up exited early"
-        chat = subprocess.run([sys.executable, "-m", "shoal.cli", "chat", "--url",
+        chat = subprocess.run([*shoal_command(), "chat", "--url",
                                f"http://127.0.0.1:{port}", "--max-tokens", "12",
                                "What is the capital of France?"], capture_output=True, text=True,
                               timeout=120)
@@ -168,7 +167,7 @@ def test_shoal_up_serves_and_stops_cleanly():
 
 def test_bench_serve_quick_writes_its_json(fleet, tmp_path):
     out = tmp_path / "serve.json"
-    r = subprocess.run([sys.executable, "-m", "shoal.cli", "bench", "serve", "--quick", "--url",
+    r = subprocess.run([*shoal_command(), "bench", "serve", "--quick", "--url",
                         fleet["url"], "--output", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     figures = json.loads(out.read_text())

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
-from shoal.fleet import free_port, stop_all, wait_ready
+from shoal.fleet import free_port, shoal_command, stop_all, wait_ready
 
 KEY = "sk-test-7f3a9c"
 
@@ -19,7 +18,7 @@ KEY = "sk-test-7f3a9c"
 @pytest.fixture(scope="module")
 def guarded(fleet):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "shoal.cli", "gateway", "--redis-url",
+    proc = subprocess.Popen([*shoal_command(), "gateway", "--redis-url",
                              fleet["redis"], "--port", str(port), "--api-key", KEY,
                              "--max-waiting", "1", "--max-body-bytes", "20000"])
     url = f"http://127.0.0.1:{port}"
@@ -126,7 +125,7 @@ def test_overload_gets_429_with_retry_after(guarded, fleet):
 
 def test_per_key_request_and_token_limits(fleet):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "shoal.cli", "gateway", "--redis-url",
+    proc = subprocess.Popen([*shoal_command(), "gateway", "--redis-url",
                              fleet["redis"], "--port", str(port), "--api-key", "key-a",
                              "--api-key", "key-b", "--requests-per-minute", "2",
                              "--tokens-per-minute", "60"])
