@@ -1,0 +1,147 @@
+"""The Celery tasks of shoal's batch jobs (the app: `shoal.jobs.make_celery`).
+
+A Celery worker runs them (`shoal jobs worker`, or `celery -A jobs.tasks worker`); each request
+goes through the gateway's OpenAI API like any client's, with batch priority, so jobs and
+interactive traffic share one fleet and one scheduler.
+
+- `generate(request)`: one completion or chat request (chat when it has `messages`); returns the
+  OpenAI-style response. For your own Celery code: `generate.delay({...}).get()`.
+- `run_job(job_id)`: queues one `run_job_request` per request of a stored job.
+- `run_job_request(job_id, index)`: runs one request of a job and records its output line, at
+  most once per `custom_id` (shoal/jobs.py). A request the fleet could not serve (it is
+  unreachable, overloaded, or a worker died under the request more often than the scheduler's
+  migration limit) is retried with backoff; a request the gateway rejects (4xx) is recorded as
+  failed. Requests start only while the job is not cancelled.
+
+Configuration, from the environment of the Celery worker (and of code calling the tasks):
+`SHOAL_REDIS_URL` (broker, results and jobs; default redis://127.0.0.1:6379/0), `SHOAL_PREFIX`
+(default shoal), `SHOAL_GATEWAY_URL` (default http://127.0.0.1:8000), `SHOAL_API_KEY`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import httpx
+import redis
+
+from shoal.jobs import (
+    JOB_PRIORITY,
+    TASK_GENERATE,
+    TASK_RUN_JOB,
+    TASK_RUN_JOB_REQUEST,
+    JobStore,
+    make_celery,
+)
+
+REDIS_URL = os.environ.get("SHOAL_REDIS_URL", "redis://127.0.0.1:6379/0")
+PREFIX = os.environ.get("SHOAL_PREFIX", "shoal")
+app = make_celery(REDIS_URL, PREFIX)
+
+MAX_RETRIES = 5
+REQUEST_TIMEOUT_S = 600.0
+
+
+class FleetUnavailable(Exception):
+    """The fleet could not serve the request now (connection error, 429 or 5xx): retry."""
+
+
+class RequestRejected(Exception):
+    """The gateway rejected the request (4xx): retrying cannot help."""
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        super().__init__(body.get("error", {}).get("message", f"HTTP {status}"))
+        self.status, self.body = status, body
+
+
+@functools.cache  # one Redis connection pool per Celery worker process, not one per task
+def _store() -> JobStore:
+    return JobStore(redis.Redis.from_url(REDIS_URL), PREFIX)
+
+
+def call_fleet(endpoint: str, body: dict[str, Any], priority: int) -> dict[str, Any]:
+    """POST one request to the gateway and return its JSON response.
+
+    Args:
+        endpoint: "completions" or "chat".
+        body: the OpenAI request body (not streamed).
+        priority: the scheduler priority (lower first).
+
+    Raises:
+        FleetUnavailable: no answer, 429 or 5xx.
+        RequestRejected: another 4xx.
+    """
+    url = os.environ.get("SHOAL_GATEWAY_URL", "http://127.0.0.1:8000").rstrip("/")
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    key = os.environ.get("SHOAL_API_KEY")
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    try:
+        r = httpx.post(url + path, json={**body, "stream": False, "priority": priority},
+                       headers=headers, timeout=REQUEST_TIMEOUT_S)
+    except httpx.HTTPError as e:
+        raise FleetUnavailable(f"{url}: {e}") from e
+    if r.status_code == 429 or r.status_code >= 500:
+        raise FleetUnavailable(f"{url}{path}: HTTP {r.status_code}: {r.text[:200]}")
+    if r.status_code >= 400:
+        raise RequestRejected(r.status_code, r.json())
+    return r.json()
+
+
+@app.task(name=TASK_GENERATE, bind=True, max_retries=MAX_RETRIES)
+def generate(self, request: dict[str, Any], priority: int = JOB_PRIORITY) -> dict[str, Any]:
+    """One completion or chat request through the fleet; the OpenAI-style response.
+
+    Raises:
+        RequestRejected: the gateway rejected it (4xx).
+        FleetUnavailable: still unavailable after MAX_RETRIES retries.
+    """
+    endpoint = "chat" if "messages" in request else "completions"
+    try:
+        return call_fleet(endpoint, request, priority)
+    except FleetUnavailable as e:
+        raise self.retry(exc=e, countdown=min(2 ** self.request.retries, 30)) from e
+
+
+@app.task(name=TASK_RUN_JOB)
+def run_job(job_id: str) -> int:
+    """Queue every request of a job (once; a redelivered run only queues again, which the
+    per-request tasks absorb). Returns the number of requests."""
+    store = _store()
+    n = store.num_requests(job_id)
+    for index in range(n):
+        run_job_request.apply_async((job_id, index))
+    return n
+
+
+@app.task(name=TASK_RUN_JOB_REQUEST, bind=True, max_retries=MAX_RETRIES)
+def run_job_request(self, job_id: str, index: int) -> str:
+    """Run request `index` of a job and record its output line; returns what happened."""
+    store = _store()
+    item = store.request(job_id, index)
+    cid = item["custom_id"]
+    line: dict[str, Any] = {"id": f"{job_id}-{index}", "custom_id": cid, "response": None,
+                            "error": None}
+    if store.has_result(job_id, cid):
+        return "duplicate"
+    if store.start(job_id) == "cancelled":
+        line["error"] = {"code": "cancelled", "message": "the job was cancelled first"}
+        store.record(job_id, cid, line, "cancelled")
+        return "cancelled"
+    try:
+        body = call_fleet(item["endpoint"], item["body"], JOB_PRIORITY)
+    except FleetUnavailable as e:
+        if self.request.retries < self.max_retries:
+            raise self.retry(exc=e, countdown=min(2 ** self.request.retries, 30)) from e
+        line["error"] = {"code": "fleet_unavailable", "message": str(e)}
+        store.record(job_id, cid, line, "failed")
+        return "failed"
+    except RequestRejected as e:
+        line["response"] = {"status_code": e.status, "body": e.body}
+        line["error"] = {"code": "rejected", "message": str(e)}
+        store.record(job_id, cid, line, "failed")
+        return "failed"
+    line["response"] = {"status_code": 200, "body": body}
+    store.record(job_id, cid, line, "completed")
+    return "completed"

@@ -1,0 +1,220 @@
+"""Batch jobs: their state in Redis and the Celery app that runs them, shared by the gateway (which
+creates, reads and cancels jobs) and the Celery worker (jobs/tasks.py, which runs them).
+
+A job is a list of completion or chat requests, each with a `custom_id`. Its state, under the
+fleet's key prefix (`Keys.job*`):
+
+- `job:{id}` hash: `status` (queued, running, completed, failed, cancelled), `total`,
+  `completed`, `failed`, `cancelled` (requests that will never run) and Unix timestamps
+  `created_at`, `started_at`, `finished_at`, `cancelled_at`;
+- `job:{id}:requests` list: the input lines (JSON), in input order;
+- `job:{id}:results` hash: `custom_id` -> output line (JSON). Written once per `custom_id`
+  (HSETNX) together with its count, in one Lua script, so a task run twice (a redelivery after a
+  Celery worker died) neither duplicates a result nor counts it twice.
+
+A job finishes when every request has a result: `completed` if any request succeeded, `failed`
+if none did, and `cancelled` stays `cancelled`.
+
+Celery uses the same Redis with its own key prefix (`{prefix}:celery:`): tasks acknowledge late
+(after they ran), and a task whose worker died is delivered again once the broker's visibility
+timeout has passed (`SHOAL_JOBS_VISIBILITY_TIMEOUT`, seconds, default 300).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from typing import Any
+
+import redis
+
+from shoal.keys import Keys
+
+TASK_RUN_JOB = "shoal.run_job"
+TASK_RUN_JOB_REQUEST = "shoal.run_job_request"
+TASK_GENERATE = "shoal.generate"
+JOB_PRIORITY = 1  # batch requests yield to interactive ones (priority 0) in the scheduler
+TERMINAL = ("completed", "failed", "cancelled")
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+# Records one request's output line and its count, once per custom_id; finishes the job when
+# every request has one. KEYS: job hash, results hash. ARGV: custom_id, line, counter, now.
+_RECORD = """
+if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
+local h = redis.call('HMGET', KEYS[1], 'total', 'completed', 'failed', 'cancelled', 'status')
+local done = tonumber(h[2]) + tonumber(h[3]) + tonumber(h[4])
+if done >= tonumber(h[1]) then
+  if h[5] ~= 'cancelled' then
+    redis.call('HSET', KEYS[1], 'status', tonumber(h[2]) > 0 and 'completed' or 'failed')
+  end
+  redis.call('HSET', KEYS[1], 'finished_at', ARGV[4])
+end
+return 1
+"""
+
+# queued -> running, once. KEYS: job hash. ARGV: now.
+_START = """
+if redis.call('HGET', KEYS[1], 'status') == 'queued' then
+  redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[1])
+end
+return redis.call('HGET', KEYS[1], 'status')
+"""
+
+# queued/running -> cancelled. KEYS: job hash. ARGV: now. Returns the status after.
+_CANCEL = """
+local s = redis.call('HGET', KEYS[1], 'status')
+if s == 'queued' or s == 'running' then
+  redis.call('HSET', KEYS[1], 'status', 'cancelled', 'cancelled_at', ARGV[1])
+  s = 'cancelled'
+end
+return s
+"""
+
+
+class JobError(ValueError):
+    """A job's input cannot be accepted (the message says which line and why)."""
+
+
+def parse_lines(body: str) -> list[dict[str, Any]]:
+    """A job's input: a JSON list, or JSONL (one JSON object per line).
+
+    Each item is either OpenAI's batch form `{"custom_id", "method": "POST", "url":
+    "/v1/chat/completions", "body": {...}}` or the flat form `{"custom_id", ...request fields}`
+    (chat when it has `messages`, else a completion). Returns `{"custom_id", "endpoint",
+    "body"}` items in input order.
+
+    Raises:
+        JobError: not JSON, no items, a missing or repeated custom_id, an unknown url, `stream`.
+    """
+    text = body.strip()
+    try:
+        if text.startswith("["):
+            items = json.loads(text)
+        else:
+            items = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as e:
+        raise JobError(f"the job is neither a JSON list nor JSONL: {e}") from e
+    if not isinstance(items, list) or not items:
+        raise JobError("the job has no requests")
+    out, seen = [], set()
+    for n, item in enumerate(items, 1):
+        if not isinstance(item, dict):
+            raise JobError(f"request {n}: expected a JSON object")
+        cid = item.get("custom_id")
+        if not isinstance(cid, str) or not cid:
+            raise JobError(f"request {n}: custom_id must be a non-empty string")
+        if cid in seen:
+            raise JobError(f"request {n}: custom_id {cid!r} is repeated")
+        seen.add(cid)
+        if "body" in item:
+            endpoint = ENDPOINTS.get(item.get("url", ""))
+            if endpoint is None:
+                raise JobError(f"request {n}: url must be one of {sorted(ENDPOINTS)}")
+            req = item["body"]
+        else:
+            req = {k: v for k, v in item.items() if k != "custom_id"}
+            endpoint = "chat" if "messages" in req else "completions"
+        if not isinstance(req, dict):
+            raise JobError(f"request {n}: body must be a JSON object")
+        if req.get("stream"):
+            raise JobError(f"request {n}: stream is not supported in a job")
+        out.append({"custom_id": cid, "endpoint": endpoint, "body": req})
+    return out
+
+
+class JobStore:
+    """A job's state in Redis (layout in the module docstring). Synchronous redis-py; the
+    gateway calls it from a thread.
+
+    Args:
+        client: a redis-py client of the fleet's Redis.
+        prefix: the fleet's key prefix.
+    """
+
+    def __init__(self, client: redis.Redis, prefix: str = "shoal") -> None:
+        self.r = client
+        self.keys = Keys(prefix)
+        self._record = client.register_script(_RECORD)
+        self._start = client.register_script(_START)
+        self._cancel = client.register_script(_CANCEL)
+
+    def create(self, items: list[dict[str, Any]]) -> str:
+        """Store a new job (status `queued`) and return its id."""
+        job_id = f"job-{uuid.uuid4().hex}"
+        pipe = self.r.pipeline(transaction=True)
+        pipe.rpush(self.keys.job_requests(job_id), *[json.dumps(i) for i in items])
+        pipe.hset(self.keys.job(job_id), mapping={
+            "status": "queued", "total": len(items), "completed": 0, "failed": 0,
+            "cancelled": 0, "created_at": time.time()})
+        pipe.zadd(self.keys.jobs, {job_id: time.time()})
+        pipe.execute()
+        return job_id
+
+    def status(self, job_id: str) -> dict[str, Any] | None:
+        """The job's status object (as `GET /v1/jobs/{id}` returns it), or None if unknown."""
+        h = {k.decode(): v.decode() for k, v in self.r.hgetall(self.keys.job(job_id)).items()}
+        if not h:
+            return None
+        stamp = {k: float(h[k]) if k in h else None
+                 for k in ("created_at", "started_at", "finished_at", "cancelled_at")}
+        return {"id": job_id, "object": "job", "status": h["status"],
+                "request_counts": {k: int(h[k]) for k in ("total", "completed", "failed",
+                                                          "cancelled")},
+                **stamp}
+
+    def request(self, job_id: str, index: int) -> dict[str, Any]:
+        return json.loads(self.r.lindex(self.keys.job_requests(job_id), index))
+
+    def num_requests(self, job_id: str) -> int:
+        return self.r.llen(self.keys.job_requests(job_id))
+
+    def has_result(self, job_id: str, custom_id: str) -> bool:
+        return bool(self.r.hexists(self.keys.job_results(job_id), custom_id))
+
+    def start(self, job_id: str) -> str:
+        """Mark the job running (once); returns its status."""
+        return self._start(keys=[self.keys.job(job_id)], args=[time.time()]).decode()
+
+    def record(self, job_id: str, custom_id: str, line: dict[str, Any], counter: str) -> bool:
+        """Store one request's output line and count it under `counter` (completed, failed or
+        cancelled), once per custom_id. Returns False when it was recorded already."""
+        return bool(self._record(keys=[self.keys.job(job_id), self.keys.job_results(job_id)],
+                                 args=[custom_id, json.dumps(line), counter, time.time()]))
+
+    def cancel(self, job_id: str) -> str | None:
+        """Cancel a queued or running job; requests not yet started will not run. Returns the
+        status after (a finished job keeps its own), or None if unknown."""
+        if not self.r.exists(self.keys.job(job_id)):
+            return None
+        return self._cancel(keys=[self.keys.job(job_id)], args=[time.time()]).decode()
+
+    def results(self, job_id: str) -> list[str]:
+        """The output lines recorded so far, in input order (JSON strings)."""
+        items = self.r.lrange(self.keys.job_requests(job_id), 0, -1)
+        ids = [json.loads(i)["custom_id"] for i in items]
+        found = self.r.hmget(self.keys.job_results(job_id), ids) if ids else []
+        return [f.decode() for f in found if f is not None]
+
+
+def make_celery(redis_url: str, prefix: str = "shoal"):
+    """The Celery app of shoal's jobs: Redis as broker and result backend under
+    `{prefix}:celery:`, late acknowledgement, one task prefetched at a time."""
+    from celery import Celery
+
+    keyprefix = f"{prefix}:celery:"
+    visibility = int(os.environ.get("SHOAL_JOBS_VISIBILITY_TIMEOUT", "300"))
+    app = Celery("shoal", broker=redis_url, backend=redis_url)
+    app.conf.update(
+        broker_transport_options={"global_keyprefix": keyprefix, "visibility_timeout": visibility},
+        result_backend_transport_options={"global_keyprefix": keyprefix},
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_serializer="json", result_serializer="json", accept_content=["json"],
+        result_expires=7 * 24 * 3600,
+        broker_connection_retry_on_startup=True,
+    )
+    return app

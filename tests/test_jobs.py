@@ -1,0 +1,240 @@
+"""Batch jobs end to end: a real fleet (Redis, scheduler, worker, gateway), a real Celery worker
+process started by a fixture, the real model (docs/jobs.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from shoal.fleet import shoal_command, stop_all
+from tests.conftest import running_fleet
+
+VISIBILITY_TIMEOUT_S = 4  # a dead Celery worker's tasks come back this soon (production: 300)
+
+
+@pytest.fixture(scope="module")
+def jobs_fleet(tmp_path_factory):
+    """A fleet whose worker runs at most 2 requests at once, so job requests queue in the
+    scheduler and priorities matter."""
+    log = tmp_path_factory.mktemp("jobs") / "scheduler.log"
+    with running_fleet(("--max-num-seqs", "2"), scheduler_log=log) as fleet:
+        fleet["scheduler_log"] = log
+        yield fleet
+
+
+class CeleryWorker:
+    """`shoal jobs worker` as a process we can kill and start again."""
+
+    def __init__(self, fleet: dict, concurrency: int = 4) -> None:
+        self.fleet, self.concurrency, self.proc = fleet, concurrency, None
+
+    def start(self) -> None:
+        env = {**os.environ, "SHOAL_JOBS_VISIBILITY_TIMEOUT": str(VISIBILITY_TIMEOUT_S)}
+        self.proc = subprocess.Popen(
+            shoal_command("jobs", "worker", "--redis-url", self.fleet["redis"], "--gateway-url",
+                          self.fleet["url"], "--concurrency", str(self.concurrency)),
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        stop_all([self.proc])
+
+
+@pytest.fixture()
+def celery_worker(jobs_fleet):
+    w = CeleryWorker(jobs_fleet)
+    w.start()
+    yield w
+    w.stop()
+
+
+def _prompts(n: int) -> list[str]:
+    subjects = ["the sea", "a lighthouse", "ships", "the tide", "a storm", "fish", "sailors"]
+    return [f"Write one sentence about {subjects[i % len(subjects)]} number {i}:" for i in range(n)]
+
+
+def _submit(fleet, lines: list[dict]) -> str:
+    body = "\n".join(json.dumps(line) for line in lines)
+    r = httpx.post(f"{fleet['url']}/v1/jobs", content=body, timeout=30)
+    assert r.status_code == 202, r.text
+    job = r.json()
+    assert job["status"] == "queued" and job["request_counts"]["total"] == len(lines)
+    return job["id"]
+
+
+def _status(fleet, job_id: str) -> dict:
+    r = httpx.get(f"{fleet['url']}/v1/jobs/{job_id}", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _wait(fleet, job_id: str, until, timeout_s: float = 240.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        job = _status(fleet, job_id)
+        if until(job):
+            return job
+        assert time.monotonic() < deadline, f"job stuck: {job}"
+        time.sleep(0.2)
+
+
+def _terminal(job: dict) -> bool:
+    c = job["request_counts"]
+    return job["status"] in ("completed", "failed", "cancelled") and \
+        c["completed"] + c["failed"] + c["cancelled"] == c["total"]
+
+
+def _results(fleet, job_id: str) -> list[dict]:
+    r = httpx.get(f"{fleet['url']}/v1/jobs/{job_id}/results", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/jsonl")
+    return [json.loads(line) for line in r.text.splitlines()]
+
+
+def test_job_results_equal_the_fleets_greedy_outputs_in_input_order(jobs_fleet, celery_worker):
+    prompts = _prompts(20)
+    lines = [{"custom_id": f"req-{i:02d}", "prompt": p, "max_tokens": 6, "temperature": 0}
+             for i, p in enumerate(prompts)]
+    lines[7] = {"custom_id": "chat-07", "method": "POST", "url": "/v1/chat/completions",
+                "body": {"messages": [{"role": "user", "content": prompts[7]}], "max_tokens": 6,
+                         "temperature": 0}}
+    job_id = _submit(jobs_fleet, lines)
+    job = _wait(jobs_fleet, job_id, _terminal)
+    assert job["status"] == "completed" and job["request_counts"]["completed"] == 20
+    assert job["created_at"] <= job["started_at"] <= job["finished_at"]
+    results = _results(jobs_fleet, job_id)
+    assert [r["custom_id"] for r in results] == [line["custom_id"] for line in lines]
+    for line, result in zip(lines, results):
+        assert result["error"] is None and result["response"]["status_code"] == 200
+        if "body" in line:  # the same request straight to the fleet, greedy
+            direct = httpx.post(f"{jobs_fleet['url']}/v1/chat/completions", json=line["body"],
+                                timeout=60).json()
+            ours = result["response"]["body"]["choices"][0]["message"]["content"]
+            assert ours == direct["choices"][0]["message"]["content"]
+        else:
+            body = {k: v for k, v in line.items() if k != "custom_id"}
+            direct = httpx.post(f"{jobs_fleet['url']}/v1/completions", json=body, timeout=60).json()
+            assert result["response"]["body"]["choices"][0]["text"] == direct["choices"][0]["text"]
+            assert result["response"]["body"]["usage"]["completion_tokens"] == 6
+
+
+def test_bad_jobs_are_refused_with_a_clear_error(jobs_fleet):
+    url = f"{jobs_fleet['url']}/v1/jobs"
+    for body, needle in [("not json", "neither"),
+                         ('{"custom_id": "a", "prompt": "x"}\n{"custom_id": "a", "prompt": "y"}',
+                          "repeated"),
+                         ('[{"prompt": "x"}]', "custom_id"),
+                         ('[{"custom_id": "a", "prompt": "x", "max_tokens": -1}]', "max_tokens")]:
+        r = httpx.post(url, content=body, timeout=30)
+        assert r.status_code == 400, body
+        assert needle in r.json()["error"]["message"]
+    assert httpx.get(f"{url}/job-nope", timeout=30).status_code == 404
+    assert httpx.post(f"{url}/job-nope/cancel", timeout=30).status_code == 404
+
+
+def test_cancel_stops_requests_not_yet_started(jobs_fleet, celery_worker):
+    lines = [{"custom_id": f"c{i}", "prompt": p, "max_tokens": 24, "temperature": 0,
+              "ignore_eos": True} for i, p in enumerate(_prompts(30))]
+    job_id = _submit(jobs_fleet, lines)
+    _wait(jobs_fleet, job_id, lambda j: j["request_counts"]["completed"] >= 2)
+    r = httpx.post(f"{jobs_fleet['url']}/v1/jobs/{job_id}/cancel", timeout=30)
+    assert r.status_code == 200 and r.json()["status"] == "cancelled"
+    job = _wait(jobs_fleet, job_id, _terminal)
+    c = job["request_counts"]
+    assert job["status"] == "cancelled" and job["cancelled_at"] is not None
+    assert c["completed"] >= 2 and c["cancelled"] >= 10 and c["failed"] == 0
+    assert c["completed"] + c["cancelled"] == 30
+    results = _results(jobs_fleet, job_id)
+    assert len(results) == 30
+    done = [r for r in results if r["response"]]
+    cancelled = [r for r in results if r["error"] and r["error"]["code"] == "cancelled"]
+    assert len(done) == c["completed"] and len(cancelled) == c["cancelled"]
+
+
+def test_job_survives_a_killed_celery_worker_without_duplicates(jobs_fleet):
+    worker = CeleryWorker(jobs_fleet)
+    worker.start()
+    lines = [{"custom_id": f"k{i}", "prompt": p, "max_tokens": 12, "temperature": 0,
+              "ignore_eos": True} for i, p in enumerate(_prompts(20))]
+    try:
+        job_id = _submit(jobs_fleet, lines)
+        _wait(jobs_fleet, job_id, lambda j: j["request_counts"]["completed"] >= 3)
+        worker.kill()  # mid-job: some requests in flight, most still queued
+        killed_at = _status(jobs_fleet, job_id)["request_counts"]["completed"]
+        assert killed_at < 20
+        time.sleep(1.0)
+        worker.start()
+        job = _wait(jobs_fleet, job_id, _terminal)
+    finally:
+        worker.stop()
+    assert job["status"] == "completed" and job["request_counts"]["completed"] == 20
+    results = _results(jobs_fleet, job_id)
+    ids = [r["custom_id"] for r in results]
+    assert ids == [line["custom_id"] for line in lines]  # each custom_id exactly once, in order
+    assert all(r["response"]["body"]["usage"]["completion_tokens"] == 12 for r in results)
+
+
+def _finished(log_path) -> dict[str, dict]:
+    out = {}
+    for line in log_path.read_text().splitlines():
+        if '"event": "request_finished"' in line:
+            entry = json.loads(line[line.index("{"):])
+            out[entry["request_id"]] = entry
+    return out
+
+
+def test_interactive_requests_go_before_queued_job_requests(jobs_fleet, celery_worker):
+    lines = [{"custom_id": f"p{i}", "prompt": p, "max_tokens": 10 + (7 * i) % 17,
+              "temperature": 0, "ignore_eos": True} for i, p in enumerate(_prompts(16))]
+    job_id = _submit(jobs_fleet, lines)
+    # The worker runs 2 requests and the Celery worker keeps 4 in the fleet: 2 wait.
+    _wait(jobs_fleet, job_id, lambda j: j["request_counts"]["completed"] >= 2)
+    r = httpx.post(f"{jobs_fleet['url']}/v1/completions",
+                   json={"prompt": "Hello there,", "max_tokens": 4, "temperature": 0}, timeout=60)
+    assert r.status_code == 200
+    interactive = r.json()["id"]
+    _wait(jobs_fleet, job_id, _terminal)
+    time.sleep(0.5)  # the scheduler's last log lines
+    log = _finished(jobs_fleet["scheduler_log"])
+    me = log[interactive]
+    assert me["priority"] == 0
+    admitted = me["arrival_time"] + me["queue_time_s"]
+    first_token = me["arrival_time"] + me["ttft_s"]
+    queued = [e for e in log.values() if e["priority"] == 1
+              and e["arrival_time"] < me["arrival_time"] < e["arrival_time"] + e["queue_time_s"]]
+    assert queued, "no job request was waiting when the interactive one arrived"
+    for e in queued:  # every job request waiting at its arrival was admitted after it
+        assert e["arrival_time"] + e["queue_time_s"] >= admitted
+    print(f"interactive admitted {admitted - me['arrival_time']:.3f} s after arrival, first token "
+          f"{first_token - me['arrival_time']:.3f} s; {len(queued)} job requests were waiting")
+
+
+def test_cli_submits_waits_and_writes_results(jobs_fleet, celery_worker, tmp_path):
+    jobfile, out = tmp_path / "job.jsonl", tmp_path / "results.jsonl"
+    jobfile.write_text("\n".join(json.dumps({"custom_id": f"cli{i}", "prompt": p, "max_tokens": 4,
+                                             "temperature": 0})
+                                 for i, p in enumerate(_prompts(5))))
+    url = jobs_fleet["url"]
+    run = subprocess.run(shoal_command("jobs", "submit", str(jobfile), "--wait", "--url", url,
+                                       "--output", str(out)),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    job_id = run.stdout.split()[0]
+    assert "completed (completed 5, failed 0, cancelled 0 of 5)" in run.stderr
+    assert [json.loads(line)["custom_id"] for line in out.read_text().splitlines()] == \
+        [f"cli{i}" for i in range(5)]
+    status = subprocess.run(shoal_command("jobs", "status", job_id, "--url", url),
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0 and json.loads(status.stdout)["status"] == "completed"
+    missing = subprocess.run(shoal_command("jobs", "submit", str(tmp_path / "nope.jsonl"),
+                                           "--url", url), capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "cannot read" in missing.stderr
+    assert "Traceback" not in missing.stderr
