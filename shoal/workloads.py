@@ -27,13 +27,20 @@ class Workload:
 
 W64 = Workload("W64", 64, (32, 256), (1, 64))
 W64_QUICK = Workload("W64-quick", 8, (16, 64), (1, 8))
+# The Orca paper's synthetic workload (OSDI'22, §6.2): prompts uniform in [32, 512] tokens,
+# outputs uniform in [1, 128], forced.
+ORCA = Workload("orca", 64, (32, 512), (1, 128))
 
 
 @dataclass(frozen=True)
 class BenchRequest:
+    """One request of a workload. `prompt_text`, when set, is sent instead of the token ids
+    (requests read from a JSONL file)."""
+
     request_id: str
     prompt_token_ids: list[int]
     max_tokens: int
+    prompt_text: str | None = None
 
 
 def make_requests(w: Workload, vocab_size: int, seed: int, prefix: str = "w") -> list[BenchRequest]:
@@ -43,4 +50,34 @@ def make_requests(w: Workload, vocab_size: int, seed: int, prefix: str = "w") ->
     for i in range(w.num_requests):
         prompt = [rng.randrange(vocab_size) for _ in range(rng.randint(*w.prompt_len))]
         out.append(BenchRequest(f"{prefix}{i}", prompt, rng.randint(*w.output_len)))
+    return out
+
+
+def read_requests(path: str, prefix: str = "f") -> list[BenchRequest]:
+    """Requests from a JSONL file: one `{"prompt": text or token ids, "max_tokens": n}` a line.
+
+    Raises:
+        ValueError: a line is not such an object (its number is in the message).
+        OSError: the file cannot be read.
+    """
+    import json
+
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+                prompt, max_tokens = d["prompt"], int(d["max_tokens"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{n}: expected {{\"prompt\", \"max_tokens\"}}: {e}") from e
+            if isinstance(prompt, str):
+                out.append(BenchRequest(f"{prefix}{n}", [], max_tokens, prompt))
+            elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                out.append(BenchRequest(f"{prefix}{n}", prompt, max_tokens))
+            else:
+                raise ValueError(f"{path}:{n}: prompt must be text or a list of token ids")
+    if not out:
+        raise ValueError(f"{path}: no requests")
     return out

@@ -1,0 +1,109 @@
+"""The load generator of `shoal bench serve` against a synthetic server whose timings are known:
+first token after TTFT_S, then one token every ITL_S."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from shoal.bench_serve import run_sweep
+from shoal.fleet import free_port
+from shoal.workloads import BenchRequest
+
+TTFT_S, ITL_S = 0.30, 0.10
+SLACK_S = 0.15  # scheduling noise on a busy 2-core machine; timings are never shorter
+
+
+def _synthetic_app() -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        n = (await request.json())["max_tokens"]
+
+        async def body():
+            await asyncio.sleep(TTFT_S)
+            for i in range(n):
+                if i:
+                    await asyncio.sleep(ITL_S)
+                chunk = {"choices": [{"index": 0, "text": f"t{i}",
+                                      "finish_reason": "length" if i == n - 1 else None}]}
+                yield f"data: {json.dumps(chunk)}\n\n"
+            usage = {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": n,
+                                              "total_tokens": n + 1}}
+            yield f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n"
+        return StreamingResponse(body(), media_type="text/event-stream")
+    return app
+
+
+@pytest.fixture(scope="module")
+def synthetic_url():
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(_synthetic_app(), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def _reqs(lengths: list[int]) -> list[BenchRequest]:
+    return [BenchRequest(f"r{i}", [1, 2, 3], n) for i, n in enumerate(lengths)]
+
+
+def test_per_request_statistics_match_the_servers_timings(synthetic_url):
+    lengths = [1, 3, 5, 2]
+    (run,) = asyncio.run(run_sweep(synthetic_url, _reqs(lengths), "all", [], [], seed=0,
+                                   progress=False))
+    assert run["errors"] == 0 and run["generated_tokens"] == sum(lengths)
+    for t, n in zip(run["per_request"], lengths):
+        assert TTFT_S <= t["ttft_s"] <= TTFT_S + SLACK_S
+        assert len(t["itl_s"]) == n - 1
+        assert all(ITL_S - 0.01 <= x <= ITL_S + SLACK_S for x in t["itl_s"])
+        expected = TTFT_S + ITL_S * (n - 1)
+        assert expected - 0.01 <= t["e2e_s"] <= expected + 2 * SLACK_S
+        assert t["normalized_latency_s"] == pytest.approx(t["e2e_s"] / n)
+    # All at once: the run lasts as long as its longest request.
+    assert run["seconds"] == pytest.approx(TTFT_S + ITL_S * 4, abs=2 * SLACK_S)
+    assert run["generated_tokens_per_s"] == pytest.approx(sum(lengths) / run["seconds"])
+    assert run["ttft_s"]["p50"] >= TTFT_S
+
+
+def test_poisson_arrivals_follow_the_seeded_schedule(synthetic_url):
+    rate, seed = 5.0, 7
+    reqs = _reqs([1] * 6)
+    (run,) = asyncio.run(run_sweep(synthetic_url, reqs, "poisson", [rate], [], seed=seed,
+                                   progress=False))
+    rng = random.Random(seed)
+    expected, t = [], 0.0
+    for _ in reqs:
+        expected.append(t)
+        t += rng.expovariate(rate)
+    sent = sorted(r["sent_at_s"] for r in run["per_request"])
+    for s, e in zip(sent, expected):
+        assert e - 0.01 <= s <= e + SLACK_S
+
+
+def test_fixed_concurrency_keeps_that_many_in_flight(synthetic_url):
+    reqs = _reqs([2] * 6)
+    (run,) = asyncio.run(run_sweep(synthetic_url, reqs, "concurrency", [], [2], seed=0,
+                                   progress=False))
+    spans = sorted((r["sent_at_s"], r["sent_at_s"] + r["e2e_s"]) for r in run["per_request"])
+    for start, _ in spans:
+        in_flight = sum(1 for s, e in spans if s <= start < e)
+        assert in_flight <= 2
+    one = TTFT_S + ITL_S
+    assert run["seconds"] >= 3 * one  # 6 requests, 2 at a time
