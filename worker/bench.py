@@ -4,7 +4,9 @@ W64: 64 requests submitted at once, prompt lengths uniform in [32, 256] tokens o
 output lengths uniform in [1, 64], forced (`ignore_eos`), greedy, seeded. The same requests then run
 through transformers `generate` in static batches of 8 (request-level batching: a batch runs until
 its longest request is done; the Orca paper's baseline), in the same process and dtype. The run also
-times decode iterations at batch 1, 8, 32 and 64 and one prefill iteration.
+times decode iterations at batch 1, 8, 32 and 64, single-stream decode (a 128-token prompt, 128
+tokens out) and one prefill iteration. With `--quantization int8` it also reports perplexity on a
+real text for int8 against bfloat16 (worker/perplexity.py).
 """
 
 from __future__ import annotations
@@ -80,6 +82,23 @@ def prefill_throughput(engine: Engine, num: int, prompt_len: int) -> float:
     return num * prompt_len / (time.perf_counter() - t0)
 
 
+def quantization_perplexity(path: Path, engine: Engine, num_tokens: int) -> dict:
+    """Perplexity of `engine` (quantized) and of the same model unquantized, one token per
+    iteration over the first `num_tokens` tokens of the reference text."""
+    from dataclasses import replace
+
+    from shoal.model_files import load_tokenizer
+    from worker.perplexity import REFERENCE_TEXT, decode_perplexity, reference_text
+
+    ids = load_tokenizer(path).encode(reference_text(), add_special_tokens=False)[:num_tokens]
+    reference = Engine.from_path(path, replace(engine.cfg, quantization="none",
+                                               kv_cache_bytes=64 << 20))
+    return {"text": str(REFERENCE_TEXT), "tokens": len(ids),
+            "reference_dtype": str(engine.cfg.dtype).removeprefix("torch."),
+            "reference": decode_perplexity(reference, ids),
+            "quantized": decode_perplexity(engine, ids)}
+
+
 def transformers_static_batches(path: Path, dtype: torch.dtype, reqs: list[NewRequest],
                                 batch_size: int = 8) -> dict[str, float]:
     """Request-level batching baseline: transformers `generate` on left-padded static batches.
@@ -137,6 +156,12 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
     with console.status("decode throughput"):
         for b in batches:
             decode[str(b)] = decode_throughput(engine, b, 128, steps)
+    with console.status("single-stream decode"):
+        single = decode_throughput(engine, 1, 128, 8 if quick else 128)
+    quality = None
+    if cfg.quantization != "none":
+        with console.status("perplexity, quantized against unquantized"):
+            quality = quantization_perplexity(path, engine, 48 if quick else 512)
     with console.status("prefill throughput"):
         prefill = prefill_throughput(engine, 2 if quick else 8, 64 if quick else 256)
     base = None
@@ -161,8 +186,15 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
                       f"{ours['generated_tokens_per_s'] / base['generated_tokens_per_s']:.1f}x")
     for b, v in decode.items():
         table.add_row(f"decode tokens/s at batch {b}", f"{v:.1f}")
+    table.add_row("single-stream decode tokens/s (128-token prompt, 128 out)", f"{single:.1f}")
+    if quality:
+        table.add_row(f"perplexity {quality['tokens']} tokens of {quality['text']}",
+                      f"{cfg.quantization} {quality['quantized']:.3f} / "
+                      f"{quality['reference_dtype']} {quality['reference']:.3f}")
     table.add_row("prefill tokens/s", f"{prefill:.0f}")
-    table.add_row("model load (s)", f"{load_s:.1f}")
+    table.add_row("quantization", cfg.quantization)
+    table.add_row("C++ kernels", "yes" if engine.model.kernels else "no (torch path)")
+    table.add_row("model load, kernel build included (s)", f"{load_s:.1f}")
     table.add_row("K/V blocks", f"{engine.num_total_blocks} x {cfg.block_size} tokens")
     table.add_row("peak resident memory (MiB)", f"{peak_rss / 2**20:.0f}")
     console.print(table)
@@ -171,9 +203,63 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
         "workload": "W64-quick" if quick else "W64", "seed": seed,
         "dtype": str(cfg.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
         "shoal": ours, "transformers_static_batch8": base,
-        "decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill,
+        "decode_tokens_per_s": decode, "single_stream_decode_tokens_per_s": single,
+        "quantization": cfg.quantization, "perplexity": quality,
+        "cpu_kernels": engine.model.kernels, "prefill_tokens_per_s": prefill,
         "model_load_seconds": load_s, "peak_rss_bytes": peak_rss,
     }
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(figures, indent=2))
+    console.print(f"figures written to {out}")
+    return figures
+
+
+def run_infinite_bench(path: Path, cfg, tokens: int, windows: list[int], output: str) -> dict:
+    """`shoal bench infinite`: single-stream decode tokens/s generating `tokens` tokens, plainly
+    (a window large enough for all of them) and past a window with `shift` and `reevaluate`
+    (attention sinks, n_keep 4), for each window. Prints a table and writes JSON to `output`."""
+    from dataclasses import replace
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from worker.loader import load_model
+
+    model_cfg, weights = load_model(path, cfg.dtype)
+    prompt = [(7 * j) % 1000 + 10 for j in range(32)]
+
+    def run(window: int, mode: str) -> float:
+        engine = Engine(model_cfg, weights, replace(cfg, max_model_len=window))
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True,
+                                context_overflow=mode)
+        engine.step(IterationPlan(admit=[NewRequest("x", prompt, params)]))
+        t0 = time.perf_counter()
+        n = 0
+        while engine.running:
+            n += len(engine.step().outputs)
+        return n / (time.perf_counter() - t0)
+
+    console = Console()
+    rows = []
+    with console.status("decoding") as status:
+        plain_window = min(model_cfg.max_position_embeddings, len(prompt) + tokens + 1)
+        status.update(f"plain decode of {tokens} tokens")
+        plain = run(plain_window, "error")
+        for w in windows:
+            for mode in ("shift", "reevaluate"):
+                status.update(f"{mode}, window {w}")
+                rows.append({"window": w, "mode": mode, "tokens_per_s": run(w, mode)})
+    table = Table(title=f"shoal bench infinite ({tokens} tokens, {str(cfg.dtype).removeprefix('torch.')})")
+    for col in ("window", "context overflow", "tokens/s", "overhead against plain decode"):
+        table.add_column(col, justify="right")
+    table.add_row(str(plain_window), "none (plain decode)", f"{plain:.1f}", "")
+    for r in rows:
+        r["overhead"] = plain / r["tokens_per_s"] - 1
+        table.add_row(str(r["window"]), r["mode"], f"{r['tokens_per_s']:.1f}", f"{r['overhead']:+.1%}")
+    console.print(table)
+    figures = {"tokens": tokens, "dtype": str(cfg.dtype).removeprefix("torch."),
+               "plain": {"window": plain_window, "tokens_per_s": plain}, "overflow": rows}
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(figures, indent=2))

@@ -62,6 +62,10 @@ class EngineConfig:
         max_num_batched_tokens: most tokens (prefill plus decode) in one iteration; longer
             prompts are prefilled in chunks over several iterations.
         max_model_len: the context window served, at most the model's own; None means the model's.
+        quantization: "none", or "int8" for weight-only int8 matmuls in iterations of a few rows
+            (worker.linear); the bfloat16 weights serve larger iterations.
+        fast_paths: use the C++ kernels (worker/ops.py) and oneDNN-prepacked weights
+            (worker/linear.py) where available; False runs the plain torch reference everywhere.
     """
 
     dtype: torch.dtype = torch.bfloat16
@@ -71,6 +75,8 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
+    quantization: str = "none"
+    fast_paths: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -83,6 +89,10 @@ class EngineConfig:
             )
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.quantization not in ("none", "int8"):
+            raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
+        if self.quantization == "int8" and self.dtype == torch.float16:
+            raise ValueError("--quantization int8 needs bfloat16 or float32")
         if not 0.0 < self.kv_cache_memory_fraction < 1.0:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1)")
 

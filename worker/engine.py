@@ -17,7 +17,7 @@ import torch
 
 from shoal.messages import IterationPlan, IterationResult, NewRequest, TokenOutput
 from shoal.sampling_params import SamplingParams
-from worker.attention import build_metadata
+from worker.attention import build_metadata, shift_request_kv
 from worker.config import EngineConfig, ModelConfig
 from worker.kv_cache import KVCache, KVCacheFullError
 from worker.loader import load_model
@@ -42,7 +42,10 @@ class Sequence:
         params: sampling parameters.
         generator: the request's own random stream (None when greedy).
         block_table: K/V blocks owned by the request, in position order.
-        num_computed_tokens: tokens whose K/V are in the cache.
+        num_computed_tokens: tokens of the context whose K/V are in the cache.
+        num_discarded: tokens dropped from the context after the first `params.n_keep` when
+            it overflowed the window (`params.context_overflow`); the context is
+            `token_ids[:n_keep] + token_ids[n_keep + num_discarded:]`, positions renumbered.
     """
 
     request_id: str
@@ -52,14 +55,26 @@ class Sequence:
     generator: torch.Generator | None
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_discarded: int = 0
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def context_len(self) -> int:
+        """Tokens the model attends over: all of them, less those discarded."""
+        return len(self.token_ids) - self.num_discarded
+
+    def context_ids(self) -> list[int]:
+        if not self.num_discarded:
+            return self.token_ids
+        keep = self.params.n_keep
+        return self.token_ids[:keep] + self.token_ids[keep + self.num_discarded:]
+
+    @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.context_len - self.num_computed_tokens
 
 
 class Engine:
@@ -80,7 +95,8 @@ class Engine:
         self.cfg = cfg
         self.max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
-        self.model = LlamaModel(model_cfg, weights, self.max_model_len)
+        self.model = LlamaModel(model_cfg, weights, self.max_model_len, cfg.quantization,
+                                 cfg.fast_paths)
         num_blocks = KVCache.num_blocks_for(model_cfg, cfg.block_size, cfg.dtype,
                                             cfg.kv_cache_bytes, cfg.kv_cache_memory_fraction)
         self.kv_cache = KVCache(model_cfg, num_blocks, cfg.block_size, cfg.dtype)
@@ -130,11 +146,18 @@ class Engine:
             raise InvalidRequestError(
                 f"request {req.request_id}: token ids must be in [0, {vocab})"
             )
-        if len(tokens) >= self.max_model_len:
+        p = req.params
+        overflow = p.context_overflow != "error"
+        if len(req.prompt_token_ids) >= self.max_model_len or (len(tokens) >= self.max_model_len
+                                                               and not overflow):
             raise InvalidRequestError(
                 f"request {req.request_id}: {len(tokens)} tokens leave no room in the context "
                 f"window of {self.max_model_len} tokens"
             )
+        if overflow and p.n_keep + self.n_discard(p) > self.max_model_len - 2:
+            raise InvalidRequestError(
+                f"request {req.request_id}: n_keep {p.n_keep} + n_discard {self.n_discard(p)} "
+                f"must leave room in the window of {self.max_model_len} tokens")
         gen = None
         if not req.params.greedy:
             gen = torch.Generator()
@@ -143,8 +166,36 @@ class Engine:
             else:
                 gen.manual_seed(req.params.seed)
         seq = Sequence(req.request_id, tokens, len(req.prompt_token_ids), req.params, gen)
+        while overflow and seq.context_len >= self.max_model_len:  # a migrated long request
+            seq.num_discarded += self.n_discard(p)
         self.running[req.request_id] = seq
         return seq
+
+    def n_discard(self, params: SamplingParams) -> int:
+        """Tokens dropped per overflow: `params.n_discard`, else half the window after the kept
+        tokens."""
+        return params.n_discard or max(1, (self.max_model_len - params.n_keep) // 2)
+
+    @torch.inference_mode()  # the pools may be inference tensors (made under inference mode)
+    def _overflow(self, s: Sequence) -> None:
+        """The context filled the window: drop `n_discard` tokens after the first `n_keep`.
+
+        `reevaluate` frees the request's blocks; the kept context is prefilled again with its
+        positions renumbered. `shift` moves the cached K/V down in place, keys rotated back by
+        `n_discard` positions (shift-RoPE-K), and frees the blocks left over.
+        """
+        keep, drop = s.params.n_keep, self.n_discard(s.params)
+        if s.params.context_overflow == "reevaluate":
+            self.kv_cache.release(s.block_table)
+            s.num_computed_tokens = 0
+        else:
+            length = s.num_computed_tokens  # the newest token is not cached yet
+            for i in range(self.model_cfg.num_layers):
+                shift_request_kv(self.kv_cache.k[i], self.kv_cache.v[i], s.block_table, keep, drop,
+                                 length, self.model.cos_sin, self.model.kernels)
+            s.num_computed_tokens = length - drop
+            self.kv_cache.truncate(s.block_table, s.num_computed_tokens)
+        s.num_discarded += drop
 
     def release(self, request_id: str) -> bool:
         """Drop a request and free its blocks. Returns False if it was not running."""
@@ -188,6 +239,9 @@ class Engine:
         else:
             ids = list(dict.fromkeys([*plan.run, *admitted]))
             seqs = [self.running[r] for r in ids if r in self.running]
+        for s in seqs:
+            if s.params.context_overflow != "error" and s.context_len >= self.max_model_len:
+                self._overflow(s)
         decodes, prefills = self._schedule(seqs[: self.cfg.max_num_seqs])
         num_decode, num_prefill = len(decodes), sum(c for _, c in prefills)
         if decodes or prefills:
@@ -232,16 +286,16 @@ class Engine:
         row = len(decodes)
         for s, c in prefills:
             start = s.num_computed_tokens
-            ids += s.token_ids[start : start + c]
+            ids += s.context_ids()[start : start + c]
             positions += range(start, start + c)
             row += c
-            if start + c == len(s.token_ids):  # the prompt is done: this chunk samples
+            if start + c == s.context_len:  # the prompt is done: this chunk samples
                 sample_rows.append(row - 1)
                 samplers.append(s)
         meta = build_metadata(
             [s.block_table for s in decodes], [s.num_computed_tokens + 1 for s in decodes],
             [(s.block_table, s.num_computed_tokens, c) for s, c in prefills],
-            self.cfg.block_size, self.model_cfg.num_kv_heads,
+            self.cfg.block_size, self.model.kernels,
         )
         hidden = self.model.forward(torch.tensor(ids), torch.tensor(positions), meta, self.kv_cache)
         for s in decodes:
@@ -250,12 +304,13 @@ class Engine:
             s.num_computed_tokens += c
         if not samplers:
             return []
-        logits = self.model.compute_logits(hidden[sample_rows])
-        self._suppress_early_stop(logits, samplers)
+        logits, argmax = self.model.compute_logits(hidden[sample_rows])
+        if self._suppress_early_stop(logits, samplers):
+            argmax = None  # banned tokens changed the rows: the sampler takes its own argmax
         if self.keep_logits:
             self.last_logits = {s.request_id: logits[i].clone() for i, s in enumerate(samplers)}
         tokens, logprobs = self.sampler(logits, [s.params for s in samplers],
-                                        [s.generator for s in samplers])
+                                        [s.generator for s in samplers], argmax)
         outputs = []
         for s, tok, lp in zip(samplers, tokens, logprobs):
             index = s.num_output_tokens
@@ -266,9 +321,11 @@ class Engine:
             outputs.append(TokenOutput(s.request_id, tok, index, lp, reason))
         return outputs
 
-    def _suppress_early_stop(self, logits: torch.Tensor, samplers: list[Sequence]) -> None:
-        """`min_tokens`: before it is reached, EOS and stop tokens cannot be sampled (as in vLLM)."""
+    def _suppress_early_stop(self, logits: torch.Tensor, samplers: list[Sequence]) -> bool:
+        """`min_tokens`: before it is reached, EOS and stop tokens cannot be sampled (as in vLLM).
+        Returns True when a logit was changed."""
         eos = self.model_cfg.eos_token_id
+        changed = False
         for i, s in enumerate(samplers):
             if s.num_output_tokens < s.params.min_tokens:
                 banned = list(s.params.stop_token_ids)
@@ -276,6 +333,8 @@ class Engine:
                     banned.append(eos)
                 if banned:
                     logits[i, banned] = float("-inf")
+                    changed = True
+        return changed
 
     def _finish_reason(self, s: Sequence, tok: int) -> str | None:
         p = s.params
@@ -283,6 +342,8 @@ class Engine:
             return "stop"
         if tok in p.stop_token_ids:
             return "stop"
-        if s.num_output_tokens >= p.max_tokens or len(s.token_ids) >= self.max_model_len:
+        if s.num_output_tokens >= p.max_tokens:
+            return "length"
+        if s.context_len >= self.max_model_len and p.context_overflow == "error":
             return "length"
         return None

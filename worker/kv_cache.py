@@ -1,10 +1,9 @@
 """The paged K/V cache: preallocated pools of fixed-size blocks and the allocator that hands them out.
 
-Layout. Each layer has a K pool and a V pool of shape `[num_kv_heads, num_blocks, block_size,
-head_dim]`. A block of one head is contiguous (`block_size * head_dim` elements), and gathering a
-request's blocks along dim 1 yields `[num_kv_heads, num_blocks_of_request * block_size, head_dim]`
-directly in the layout batched attention wants, with block-sized copies rather than one copy per
-token (see worker/attention.py).
+Layout. Each layer has a K pool `[num_kv_heads, num_blocks, head_dim, block_size]` and a V pool
+`[num_kv_heads, num_blocks, block_size, head_dim]`. A block of one head is contiguous, and keys are
+stored transposed within their block so the decode kernel scores a block's tokens with FMAs across
+the block instead of one horizontal reduction per token (see worker/attention.py).
 
 Accounting follows vLLM's PagedAttention (Kwon et al., SOSP'23, §4.2): a request owns the blocks
 listed in its block table; `num_free_blocks` / `num_total_blocks` are what the worker advertises and
@@ -90,7 +89,8 @@ class KVCache:
     """K and V pools for every layer plus their block allocator.
 
     Attributes:
-        k, v: per layer, `[num_kv_heads, num_blocks, block_size, head_dim]` in the engine dtype.
+        k: per layer, `[num_kv_heads, num_blocks, head_dim, block_size]` in the engine dtype.
+        v: per layer, `[num_kv_heads, num_blocks, block_size, head_dim]`.
         allocator: the block allocator.
         block_size: tokens per block.
     """
@@ -98,11 +98,12 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype):
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
-        shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-        # Zeroed, not empty: padded block-table entries of a batch read real (unused) blocks, and
-        # their masked-out scores multiply the values; garbage NaNs there would poison the output.
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        k_shape = (cfg.num_kv_heads, num_blocks, cfg.head_dim, block_size)
+        v_shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+        # Zeroed, not empty: the torch path reads padded block-table entries (real, unused blocks)
+        # and multiplies their masked-out scores by the values; garbage NaNs there would poison it.
+        self.k = [torch.zeros(k_shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(v_shape, dtype=dtype) for _ in range(cfg.num_layers)]
 
     @staticmethod
     def num_blocks_for(
@@ -144,6 +145,13 @@ class KVCache:
         n = self.blocks_needed(block_table, num_tokens)
         if n:
             block_table.extend(self.allocator.allocate(n))
+
+    def truncate(self, block_table: list[int], num_tokens: int) -> None:
+        """Free the blocks of `block_table` past those holding `num_tokens` tokens."""
+        keep = -(-num_tokens // self.block_size)
+        if len(block_table) > keep:
+            self.allocator.free(block_table[keep:])
+            del block_table[keep:]
 
     def release(self, block_table: list[int]) -> None:
         """Free every block of `block_table` and empty it."""

@@ -1,0 +1,158 @@
+"""The C++ CPU kernels (worker/csrc/cpu_ops.cpp) against their torch references, on random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker import cpu_ops, ops
+from worker.attention import build_metadata, decode_attention_reference, write_kv
+from worker.linear import INT8_MAX_ROWS, Linear, quantize_int8
+
+pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the C++ kernels did not build here")
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("delta_dtype", [None, torch.float32, "same"])
+def test_add_rms_norm(dtype, delta_dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 96, generator=g) * 3
+    w = torch.rand(96, generator=g) + 0.5
+    delta = None
+    if delta_dtype is not None:
+        delta = torch.randn(37, 96, generator=g).to(dtype if delta_dtype == "same" else delta_dtype)
+    x_kernel, x_ref = x.clone(), x.clone()
+    out = ops.add_rms_norm(x_kernel, delta, w, 1e-5, dtype, kernels=True)
+    ref = ops.add_rms_norm_reference(x_ref, delta, w, 1e-5, dtype)
+    assert out.dtype == dtype and out.shape == (37, 96)
+    assert rel(out, ref) <= TOL[dtype]
+    assert torch.allclose(x_kernel, x_ref, rtol=0, atol=1e-6)  # the residual stream was updated
+    if delta is not None:
+        assert not torch.equal(x_kernel, x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    g = torch.Generator().manual_seed(2)
+    gate_up = (torch.randn(19, 2 * 75, generator=g) * 4).to(dtype)
+    out = ops.silu_and_mul(gate_up, kernels=True)
+    assert out.shape == (19, 75)
+    assert rel(out, ops.silu_and_mul_reference(gate_up)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope(dtype, head_dim):
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, n = 6, 2, 23
+    qkv = torch.randn(n, (hq + 2 * hkv) * head_dim, generator=g).to(dtype)
+    positions = torch.randint(0, 4096, (n,), generator=g)
+    table = ops.rope_cos_sin(10000.0, head_dim, 4096)
+    a, b = qkv.clone(), qkv.clone()
+    ops.rope_(a, positions, table, hq + hkv, head_dim, kernels=True)
+    ops.rope_reference_(b, positions, table, hq + hkv, head_dim)
+    assert rel(a, b) <= TOL[dtype]
+    rotated = (hq + hkv) * head_dim
+    assert torch.equal(a[:, rotated:], qkv[:, rotated:])  # V is left alone
+    assert not torch.allclose(a[:, :rotated].float(), qkv[:, :rotated].float())
+    with pytest.raises(RuntimeError, match="outside the RoPE table"):
+        ops.rope_(a, torch.full((n,), 4096), table, hq + hkv, head_dim, kernels=True)
+
+
+def _random_cache(g, hkv, num_blocks, bs, d, dtype):
+    k_pool = torch.randn(hkv, num_blocks, d, bs, generator=g).to(dtype)
+    v_pool = torch.randn(hkv, num_blocks, bs, d, generator=g).to(dtype)
+    return k_pool, v_pool
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_touches_only_its_slots(dtype):
+    g = torch.Generator().manual_seed(4)
+    hkv, nb, bs, d, n = 3, 20, 8, 64, 29
+    k = torch.randn(n, hkv, d, generator=g).to(dtype)
+    v = torch.randn(n, hkv, d, generator=g).to(dtype)
+    slots = torch.randperm(nb * bs, generator=g)[:n]
+    pools = []
+    for kernels in (True, False):
+        k_pool = torch.full((hkv, nb, d, bs), float("nan"), dtype=dtype)
+        v_pool = torch.full((hkv, nb, bs, d), float("nan"), dtype=dtype)
+        write_kv(k, v, k_pool, v_pool, slots, kernels)
+        pools.append((k_pool, v_pool))
+    (kk, vk), (kr, vr) = pools
+    assert torch.equal(kk.isnan(), kr.isnan()) and torch.equal(vk.isnan(), vr.isnan())
+    assert (~kk.isnan()).sum() == n * hkv * d  # exactly the slots written
+    assert torch.equal(kk.nan_to_num(), kr.nan_to_num()) and torch.equal(vk.nan_to_num(), vr.nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (128, 16), (32, 8)])
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_decode_attention(dtype, head_dim, block_size, group):
+    g = torch.Generator().manual_seed(5 + head_dim + group)
+    hkv, num_blocks = 2, 96
+    lens = [1, 2, block_size, block_size + 1, 77, 300, 5, 129]
+    # Non-contiguous, shuffled blocks, never shared between requests.
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for n in lens:
+        m = -(-n // block_size)
+        tables.append(free[:m])
+        free = free[m:]
+    k_pool, v_pool = _random_cache(g, hkv, num_blocks, block_size, head_dim, dtype)
+    q = torch.randn(len(lens), hkv * group, head_dim, generator=g).to(dtype)
+    meta = build_metadata(tables, lens, [], block_size, kernels=True)
+    scale = head_dim**-0.5
+    out = torch.ops.shoal.decode_attention(q, k_pool, v_pool, meta.decode_block_tables,
+                                           meta.decode_lens, scale)
+    ref = decode_attention_reference(q.float(), k_pool.float(), v_pool.float(), meta, scale)
+    assert out.shape == (len(lens), hkv * group * head_dim) and out.dtype == dtype
+    assert out.isfinite().all()
+    assert rel(out, ref) <= TOL[dtype]
+    # A one-token context attends only to itself: the output is that token's value.
+    first = out[0].view(hkv * group, head_dim).float()
+    own_v = v_pool[:, tables[0][0], 0].float().repeat_interleave(group, dim=0)
+    assert torch.allclose(first, own_v, atol=TOL[dtype] * 10)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_topk_rows(dtype):
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(7, 5000, generator=g).to(dtype)
+    values, indices = ops.topk_rows(x, 8, kernels=True)
+    ref_values, _ = x.float().topk(8, dim=-1)
+    assert torch.equal(values, ref_values)
+    assert torch.equal(x.float().gather(1, indices), values)  # the indices point at the values
+    assert torch.equal(ops.topk_rows(x, 1, kernels=True)[0][:, 0], x.float().max(dim=-1).values)
+
+
+def test_packed_linear_matches_f_linear():
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(96, 64, generator=g) * 0.1).to(torch.bfloat16)
+    lin = Linear(w)
+    for rows in (1, 5, 64, 300):
+        x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+        assert rel(lin(x), torch.nn.functional.linear(x, w)) <= 1e-2
+
+
+def test_int8_linear_is_used_for_few_rows_only():
+    g = torch.Generator().manual_seed(8)
+    w = (torch.randn(96, 64, generator=g) * 0.1).to(torch.bfloat16)
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    assert rel(q.float() * scale.float()[:, None], w) <= 1e-2
+    lin = Linear(w, "int8")
+    small = torch.randn(INT8_MAX_ROWS, 64, generator=g).to(torch.bfloat16)
+    dequantized = torch.nn.functional.linear(small.float(), q.float() * scale.float()[:, None])
+    assert rel(lin(small), dequantized) <= 1e-2
+    large = torch.randn(INT8_MAX_ROWS + 1, 64, generator=g).to(torch.bfloat16)
+    assert rel(lin(large), torch.nn.functional.linear(large, w)) <= 1e-2
+    with pytest.raises(ValueError, match="quantization"):
+        Linear(w, "int4")

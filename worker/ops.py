@@ -1,0 +1,139 @@
+"""The engine's fused ops: the C++ kernels of `worker/csrc/cpu_ops.cpp` where they are built, the
+plain torch reference otherwise. The model is written once against these functions.
+
+Each op has a `*_reference` in torch: it is the fallback (no compiler, float16, `SHOAL_CPU_OPS=0`)
+and the oracle the kernels are tested against. Both compute in float32 and round once to the
+storage dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker import cpu_ops
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def kernels_enabled(dtype: torch.dtype) -> bool:
+    """True when the C++ kernels are built and support `dtype`."""
+    return dtype in KERNEL_DTYPES and cpu_ops.load()
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 dtype: torch.dtype, kernels: bool) -> torch.Tensor:
+    """Residual add then RMSNorm (Zhang & Sennrich 2019): `x += delta` in place, then return
+    `x / sqrt(mean(x^2) + eps) * weight` cast to `dtype`.
+
+    Args:
+        x: `[n, hidden]` float32, the residual stream (updated in place when `delta` is given).
+        delta: `[n, hidden]` float32 or `dtype`, or None.
+        weight: `[hidden]` float32.
+        kernels: use the C++ kernel (see `kernels_enabled`).
+
+    Returns:
+        `[n, hidden]` in `dtype`.
+    """
+    if kernels:
+        return torch.ops.shoal.add_rms_norm(x, delta, weight, eps, dtype)
+    return add_rms_norm_reference(x, delta, weight, eps, dtype)
+
+
+def add_rms_norm_reference(x, delta, weight, eps, dtype):
+    if delta is not None:
+        x += delta
+    return F.rms_norm(x, (x.shape[-1],), weight, eps).to(dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor, kernels: bool) -> torch.Tensor:
+    """SwiGLU's product (Shazeer 2020): `silu(gate) * up` in float32, rounded once.
+
+    Args:
+        gate_up: `[n, 2 * intermediate]`, gate in the first half of each row, up in the second.
+
+    Returns:
+        `[n, intermediate]` in gate_up's dtype.
+    """
+    if kernels:
+        return torch.ops.shoal.silu_and_mul(gate_up)
+    return silu_and_mul_reference(gate_up)
+
+
+def silu_and_mul_reference(gate_up):
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+def rope_cos_sin(theta: float, head_dim: int, max_positions: int) -> torch.Tensor:
+    """RoPE table (Su et al. 2021) as transformers builds its angles: `[max_positions, head_dim]`
+    float32, cos of the `head_dim / 2` frequencies in the first half of a row, sin in the second."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).contiguous()
+
+
+def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
+          head_dim: int, kernels: bool) -> None:
+    """Rotate, in place, the first `num_heads` heads of each row of `qkv` by its position, in the
+    "rotate half" layout: `x1' = x1 cos - x2 sin`, `x2' = x2 cos + x1 sin` for the two halves.
+
+    Args:
+        qkv: `[n, >= num_heads * head_dim]` contiguous (the fused QKV output: query and key heads
+            come first, so `num_heads = Hq + Hkv` rotates both and leaves V alone).
+        positions: `[n]` int64.
+        cos_sin: `rope_cos_sin(...)`.
+
+    Raises:
+        RuntimeError (kernel) / IndexError (reference): a position outside the table.
+    """
+    if kernels:
+        torch.ops.shoal.rope_(qkv, positions, cos_sin, num_heads, head_dim)
+    else:
+        rope_reference_(qkv, positions, cos_sin, num_heads, head_dim)
+
+
+def rope_reference_(qkv, positions, cos_sin, num_heads, head_dim):
+    half = head_dim // 2
+    x = qkv[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
+    cs = cos_sin[positions].unsqueeze(1)  # [n, 1, D]
+    cos, sin = cs[..., :half], cs[..., half:]
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
+
+
+def topk_rows(x: torch.Tensor, k: int, kernels: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` largest entries of each row, in descending order.
+
+    Args:
+        x: `[rows, width]` (contiguous for the kernel).
+
+    Returns:
+        values `[rows, k]` float32 and their column indices `[rows, k]` int64 (among equal values
+        the order is unspecified).
+    """
+    if kernels:
+        return torch.ops.shoal.topk_rows(x, k)
+    values, indices = x.float().topk(k, dim=-1)
+    return values, indices
+
+
+def rope_rotate(x: torch.Tensor, delta: int, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate keys that carry RoPE at positions p so they carry it at p + delta (delta may be
+    negative): `K' = R(delta * theta) K` per frequency, the "rotate half" layout as in `rope_`.
+    Shift-RoPE-K (Neural Speed's infinite inference) moves cached keys back this way instead of
+    recomputing them.
+
+    Args:
+        x: `[..., head_dim]` keys, any float dtype.
+        delta: positions to move by; |delta| must be a row of `cos_sin`.
+        cos_sin: `rope_cos_sin(...)`.
+
+    Returns:
+        Rotated keys, x's shape and dtype (computed in float32).
+    """
+    half = x.shape[-1] // 2
+    row = cos_sin[abs(delta)]
+    cos, sin = row[:half], row[half:] * (1 if delta >= 0 else -1)
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
