@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import metrics
+from gateway.jobs import jobs_router
 from shoal.detokenizer import IncrementalDetokenizer
 from shoal.keys import Keys
 from shoal.messages import Cancel, RequestSubmission, TokenEvent, WorkerInfo, decode, encode
@@ -66,7 +67,8 @@ class ErrorBody(BaseModel):
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI documentation of the error statuses an endpoint may answer."""
-    why = {400: "invalid request", 401: "missing or invalid API key", 404: "unknown model",
+    why = {400: "invalid request", 401: "missing or invalid API key", 404: "unknown model or job",
+           413: "the request body is too large",
            429: "overloaded or rate limited (see Retry-After)", 503: "the queue is unavailable"}
     return {code: {"model": ErrorBody, "description": why[code]} for code in statuses}
 
@@ -101,6 +103,14 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     logprobs: Any = None
+    priority: int = Field(default=0, ge=-100, le=100,
+                          description="lower is served first (batch jobs use 1); an extension")
+    context_overflow: Literal["error", "reevaluate", "shift"] = Field(
+        default="error", description="past the context window: stop (error, finish_reason "
+        "length), or keep n_keep tokens and drop n_discard after them, recomputing "
+        "(reevaluate) or rotating cached keys (shift); an extension")
+    n_keep: int = Field(default=4, ge=0, le=INT32_MAX)
+    n_discard: int | None = Field(default=None, ge=1, le=INT32_MAX)
 
 
 class CompletionRequest(_Common):
@@ -129,6 +139,7 @@ class Prepared:
     prompt_ids: list[int]
     params: SamplingParams
     stops: list[str]
+    priority: int = 0
 
 
 class StopMatcher:
@@ -176,6 +187,7 @@ class Gateway:
         self._listener: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self.max_model_len = 8192
+        self.max_overflow_windows = 8  # GatewaySettings.max_overflow_windows, set by create_app
         self.subscribed = False  # the token channel is live: requests may be enqueued
 
     async def start(self) -> None:
@@ -242,12 +254,23 @@ class Gateway:
         if room < 1:
             raise APIError(f"the prompt has {prompt_len} tokens; the context window is "
                            f"{self.max_model_len}", param="messages")
-        max_tokens = min(max_tokens or room, room)
+        if req.context_overflow == "error":
+            max_tokens = min(max_tokens or room, room)
+        else:
+            # Past the window only when asked for, and at most `max_overflow_windows` windows'
+            # worth: an unbounded request would hold a worker's batch slot forever.
+            limit = self.max_overflow_windows * self.max_model_len
+            if max_tokens is not None and max_tokens > limit:
+                raise APIError(f"with context_overflow, max_tokens is at most {limit} "
+                               f"({self.max_overflow_windows} context windows)", param="max_tokens")
+            max_tokens = max_tokens or room
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=req.temperature,
                                   top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed,
                                   ignore_eos=req.ignore_eos,
-                                  min_tokens=min(req.min_tokens, max_tokens), logprobs=logprobs)
+                                  min_tokens=min(req.min_tokens, max_tokens), logprobs=logprobs,
+                                  context_overflow=req.context_overflow, n_keep=req.n_keep,
+                                  n_discard=req.n_discard)
         except InvalidSamplingParams as e:
             raise APIError(str(e)) from e
 
@@ -266,7 +289,7 @@ class Gateway:
         if not ids:
             raise APIError("the prompt is empty", param="prompt")
         params = self._params(req, req.max_tokens, len(ids), req.logprobs is not None)
-        return Prepared(f"cmpl-{uuid.uuid4().hex}", ids, params, _stops(req.stop))
+        return Prepared(f"cmpl-{uuid.uuid4().hex}", ids, params, _stops(req.stop), req.priority)
 
     def prepare_chat(self, req: ChatRequest) -> Prepared:
         ids = list(self.tokenizer.apply_chat_template(
@@ -274,7 +297,8 @@ class Gateway:
             return_dict=True)["input_ids"])
         params = self._params(req, req.max_completion_tokens or req.max_tokens, len(ids),
                               bool(req.logprobs))
-        return Prepared(f"chatcmpl-{uuid.uuid4().hex}", ids, params, _stops(req.stop))
+        return Prepared(f"chatcmpl-{uuid.uuid4().hex}", ids, params, _stops(req.stop),
+                        req.priority)
 
     # -- running a request ----------------------------------------------------------------------
 
@@ -288,7 +312,7 @@ class Gateway:
         q: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.queues[p.request_id] = q
         sub = RequestSubmission(p.request_id, self.model, p.prompt_ids, p.params, time.time(),
-                                self.channel)
+                                self.channel, p.priority)
         finished = False
         t0 = time.perf_counter()
         last_token_t: float | None = None
@@ -440,12 +464,15 @@ class GatewaySettings:
         max_waiting: new requests get 429 while the scheduler's pool holds this many.
         max_body_bytes: larger request bodies get 400 (by their Content-Length).
         retry_after_s: the Retry-After header of a 429, in seconds.
+        max_overflow_windows: a request with `context_overflow` generates at most this many
+            context windows of tokens.
         requests_per_minute, tokens_per_minute: per API key (or per gateway without keys) and
             per calendar minute, shared by every gateway through Redis; tokens count the prompt
             plus `max_tokens`. 0 means no limit.
     """
 
     api_keys: tuple[str, ...] = ()
+    max_overflow_windows: int = 8
     public_paths: tuple[str, ...] = ("/healthz", "/readyz")
     max_waiting: int = 1024
     max_body_bytes: int = 4 << 20
@@ -475,6 +502,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
     """The gateway's FastAPI application."""
     settings = settings or GatewaySettings()
     gw = Gateway(redis_url, model, prefix)
+    gw.max_overflow_windows = settings.max_overflow_windows
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -484,6 +512,10 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
 
     app = FastAPI(title="shoal gateway", lifespan=lifespan)
     app.state.gateway = gw
+
+    app.include_router(jobs_router(redis_url, prefix,
+                                   {"completions": CompletionRequest, "chat": ChatRequest},
+                                   APIError, _errors))
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):

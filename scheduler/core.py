@@ -2,7 +2,11 @@
 
 Orca's Algorithm 1 (OSDI'22, §4.1) generalised to many workers, with no I/O in this module:
 
-- first come, first served by arrival time;
+- the lowest `priority` value first (interactive 0, batch jobs 1), first come first served within a
+  priority. Aging keeps batch work from starving: a waiting request's effective priority drops
+  by one level for every `priority_aging_s` seconds it has waited, and among equal effective
+  priorities the earlier arrival goes first, so a batch request waits at most about
+  `priority * priority_aging_s` behind a steady stream of interactive ones;
 - at most `max_num_seqs` requests per worker;
 - a waiting request is admitted only where the worker's K/V covers it. Policy `reserve` (Orca):
   blocks for prompt + `max_tokens` are reserved at admission, so a worker never runs out;
@@ -10,6 +14,10 @@ Orca's Algorithm 1 (OSDI'22, §4.1) generalised to many workers, with no I/O in 
   a worker that runs out preempts its newest request, which comes back here to be recomputed;
 - placement: the alive, non-draining worker for the model with the most free blocks (ties: the
   fewest running requests);
+- policy `request-level` is the Orca paper's baseline (FasterTransformer-style request-level
+  batching), for `shoal bench`: a worker takes a batch only when it is idle, fills it with what
+  fits (reserving like `reserve`), and takes nothing more until every request of the batch has
+  finished; requests arriving meanwhile wait.
 - finished requests leave at once and new ones join at the next iteration.
 
 `schedule(worker_id)` makes a plan; `postprocess(result)` consumes a result and returns the token
@@ -18,7 +26,8 @@ events for the gateways. The I/O loop around them is scheduler/server.py.
 
 from __future__ import annotations
 
-from collections import deque
+import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from shoal.messages import (
@@ -29,6 +38,8 @@ from shoal.messages import (
     TokenEvent,
     WorkerInfo,
 )
+
+POLICIES = ("reserve", "ondemand", "request-level")
 
 
 @dataclass
@@ -71,21 +82,26 @@ class Scheduler:
     """The request pool and the per-worker admission decisions.
 
     Args:
-        policy: "reserve" or "ondemand".
+        policy: "reserve", "ondemand" or "request-level".
         max_num_seqs: cap on requests per worker per iteration (the worker's own cap applies too).
         max_migrations: a request whose worker is lost more often than this fails.
         queue_deadline_s: a request still waiting this long after its arrival fails (0: never).
+        priority_aging_s: seconds of waiting that raise a request by one priority level.
     """
 
     def __init__(self, policy: str = "reserve", max_num_seqs: int = 256,
-                 max_migrations: int = 3, queue_deadline_s: float = 0.0) -> None:
-        if policy not in ("reserve", "ondemand"):
-            raise ValueError(f"unknown policy {policy!r}; expected reserve or ondemand")
+                 max_migrations: int = 3, queue_deadline_s: float = 0.0,
+                 priority_aging_s: float = 30.0) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
         self.policy = policy
+        self.reserves = policy in ("reserve", "request-level")  # blocks for prompt + max_tokens
         self.max_num_seqs = max_num_seqs
         self.max_migrations = max_migrations
         self.queue_deadline_s = queue_deadline_s
-        self.waiting: deque[RequestState] = deque()
+        self.priority_aging_s = priority_aging_s
+        self.waiting: deque[RequestState] = deque()  # in arrival order, every priority
+        self._levels: Counter[int] = Counter()  # waiting requests per priority
         self.requests: dict[str, RequestState] = {}
         self.workers: dict[str, WorkerState] = {}
         self.failed: list[TokenEvent] = []  # failed by `place`, for the I/O loop to publish
@@ -102,6 +118,7 @@ class Scheduler:
     def _enqueue(self, state: RequestState) -> None:
         """Insert by arrival time: a requeued (preempted) request keeps its place in line."""
         self.waiting.append(state)
+        self._levels[state.sub.priority] += 1
         if len(self.waiting) > 1 and self.waiting[-2].sub.arrival_time > state.sub.arrival_time:
             self.waiting = deque(sorted(self.waiting, key=lambda s: s.sub.arrival_time))
 
@@ -143,6 +160,7 @@ class Scheduler:
             return None
         if s.worker_id is None:
             self.waiting = deque(x for x in self.waiting if x.sub.request_id != request_id)
+            self._levels[s.sub.priority] -= 1
         else:
             w = self.workers.get(s.worker_id)
             if w:
@@ -155,14 +173,15 @@ class Scheduler:
 
     def _blocks_needed(self, s: RequestState, w: WorkerState) -> int:
         bs = w.info.block_size
-        if self.policy == "reserve":
+        if self.reserves:
             total = min(len(s.sub.prompt_token_ids) + s.sub.params.max_tokens, w.info.max_model_len)
         else:
-            total = s.num_tokens + 1
+            # A request that may outgrow the window (context_overflow) never holds more than it.
+            total = min(s.num_tokens + 1, w.info.max_model_len)
         return -(-total // bs)
 
     def _room(self, w: WorkerState) -> int:
-        if self.policy == "reserve":
+        if self.reserves:
             return w.free_blocks
         return w.info.num_free_blocks  # advertised, as of its last result
 
@@ -180,33 +199,65 @@ class Scheduler:
             else:
                 keep.append(s)
         self.waiting = keep
+        self._levels = Counter(s.sub.priority for s in keep)
 
-    def place(self) -> list[RequestState]:
-        """Assign waiting requests, in arrival order, to the worker with the most free K/V.
-        Returns the requests placed."""
+    def _next_waiting(self, now: float) -> int:
+        """Index in `waiting` of the request to place next: the lowest effective priority
+        (priority minus whole `priority_aging_s` periods waited), earliest arrival among equals.
+
+        `waiting` is in arrival order, so each priority's first entry is its candidate; the scan
+        stops once every priority present has been seen (at once when all share one)."""
+        levels = {p for p, n in self._levels.items() if n > 0}
+        if len(levels) <= 1:
+            return 0
+        best, best_key = 0, None
+        for i, s in enumerate(self.waiting):
+            if s.sub.priority not in levels:
+                continue
+            levels.discard(s.sub.priority)
+            waited = max(0.0, now - s.sub.arrival_time)
+            aged = int(waited // self.priority_aging_s) if self.priority_aging_s > 0 else 0
+            key = (s.sub.priority - aged, s.sub.arrival_time)
+            if best_key is None or key < best_key:
+                best, best_key = i, key
+            if not levels:
+                break
+        return best
+
+    def place(self, now: float | None = None) -> list[RequestState]:
+        """Assign waiting requests, by priority then arrival (see `_next_waiting`; `now` is Unix
+        time, default the clock), to the worker with the most free K/V. Returns those placed."""
+        now = time.time() if now is None else now
         placed: list[RequestState] = []
+        # request-level: only workers idle now may take requests (this call forms their batch).
+        idle = ({w.info.worker_id for w in self.workers.values() if not w.running}
+                if self.policy == "request-level" else None)
         while self.waiting:
-            s = self.waiting[0]
+            i = self._next_waiting(now)
+            s = self.waiting[i]
             candidates = [w for w in self.workers.values()
                           if w.info.model == s.sub.model and not w.info.draining
-                          and len(w.running) < min(self.max_num_seqs, w.info.max_num_seqs)]
+                          and len(w.running) < min(self.max_num_seqs, w.info.max_num_seqs)
+                          and (idle is None or w.info.worker_id in idle)]
             if not candidates:
                 return placed
             best = max(candidates, key=lambda w: (self._room(w), -len(w.running)))
             need = self._blocks_needed(s, best)
             largest = max(w.info.num_total_blocks for w in candidates)
             if need > largest:  # it would wait forever: fail it now
-                self.waiting.popleft()
+                del self.waiting[i]
+                self._levels[s.sub.priority] -= 1
                 del self.requests[s.sub.request_id]
                 self.failed.append(self._event(
                     s, [], "error", f"the request needs {need} K/V blocks (prompt + max_tokens); "
                     f"the largest worker has {largest}", status=400))
                 continue
             if need > self._room(best):
-                return placed  # FCFS: the head waits; nothing overtakes it
-            self.waiting.popleft()
+                return placed  # the chosen request waits; nothing overtakes it
+            del self.waiting[i]
+            self._levels[s.sub.priority] -= 1
             s.worker_id = best.info.worker_id
-            s.reserved_blocks = need if self.policy == "reserve" else 0
+            s.reserved_blocks = need if self.reserves else 0
             best.reserved_blocks += s.reserved_blocks
             best.running.add(s.sub.request_id)
             if self.policy == "ondemand":

@@ -56,10 +56,11 @@ return 0
 class SchedulerServer:
     def __init__(self, redis_url: str, policy: str = "reserve", max_num_seqs: int = 256,
                  prefix: str = "shoal", max_migrations: int = 3, lease_ms: int = 3000,
-                 queue_deadline_s: float = 0.0) -> None:
+                 queue_deadline_s: float = 0.0, priority_aging_s: float = 30.0) -> None:
         self.redis = redis.Redis.from_url(redis_url)
         self.keys = Keys(prefix)
-        self.core = Scheduler(policy, max_num_seqs, max_migrations, queue_deadline_s)
+        self.core = Scheduler(policy, max_num_seqs, max_migrations, queue_deadline_s,
+                              priority_aging_s)
         self.consumer = f"scheduler-{os.uname().nodename}-{os.getpid()}"
         self.lease_ms = lease_ms
         self._renew = self.redis.register_script(_RENEW)
@@ -108,7 +109,8 @@ class SchedulerServer:
         """Forget everything; a (re)takeover rebuilds it from Redis."""
         self._active = False
         c = self.core
-        self.core = Scheduler(c.policy, c.max_num_seqs, c.max_migrations, c.queue_deadline_s)
+        self.core = Scheduler(c.policy, c.max_num_seqs, c.max_migrations, c.queue_deadline_s,
+                              c.priority_aging_s)
         self.entry_ids.clear()
         self._reply_to.clear()
         self._published_waiting = -1
@@ -310,6 +312,7 @@ class SchedulerServer:
 
         log.info(json.dumps({
             "event": "request_finished", "request_id": s.sub.request_id, "worker": worker_id,
+            "priority": s.sub.priority, "arrival_time": round(arrival, 4),
             "prompt_tokens": len(s.sub.prompt_token_ids),
             "generated_tokens": len(s.output_token_ids), "queue_time_s": since(s.admitted_at),
             "ttft_s": since(s.first_token_at), "e2e_s": since(now), "finish_reason": reason,

@@ -47,9 +47,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="context window served (default: the model's)")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="torch threads (default: all cores)")
+    p.add_argument("--quantization", choices=["none", "int8"], default="none",
+                   help="int8: weight-only int8 matmuls for iterations of a few rows (faster "
+                        "single-stream decode; see docs/engine.md for its perplexity cost)")
 
 
-def _build_parser() -> argparse.ArgumentParser:
+DEFAULT_HEALTH_URL = "http://127.0.0.1:8000/healthz"
+POLICIES = ["reserve", "ondemand", "request-level"]  # scheduler/core.py POLICIES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `shoal` argument parser (deploy tests ask it whether manifests' commands are valid)."""
     parser = argparse.ArgumentParser(prog="shoal", description="Serve language models from a message queue.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -61,6 +69,10 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--chat", action="store_true", help="apply the model's chat template to PROMPT")
+    g.add_argument("--context-overflow", choices=["error", "reevaluate", "shift"], default="error",
+                   help="past the window (--max-model-len): stop, or keep --n-keep tokens and "
+                        "drop half the rest, recomputing (reevaluate) or rotating keys (shift)")
+    g.add_argument("--n-keep", type=int, default=4, help="tokens kept at the start (sinks)")
     g.add_argument("prompt", help="the prompt text")
 
     b = sub.add_parser("bench", help="benchmarks")
@@ -80,7 +92,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("scheduler", help="the central scheduler process")
     s.add_argument("--redis-url", required=True)
-    s.add_argument("--policy", choices=["reserve", "ondemand"], default="reserve")
+    s.add_argument("--policy", choices=POLICIES, default="reserve",
+                   help="K/V admission: reserve (Orca), ondemand (vLLM, with preemption), or "
+                        "request-level (the Orca paper's baseline, for benchmarks)")
     s.add_argument("--max-num-seqs", type=_positive_int, default=256)
     s.add_argument("--prefix", default="shoal", help="Redis key prefix")
     s.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0 = off)")
@@ -90,6 +104,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="the active scheduler's lease; a standby takes over when it lapses")
     s.add_argument("--queue-deadline", type=float, default=0.0,
                    help="seconds a request may wait for a worker before it fails (0 = no limit)")
+    s.add_argument("--priority-aging-s", type=float, default=30.0,
+                   help="seconds of waiting that raise a request one priority level, so batch "
+                        "work is never starved (0 = strict priority)")
 
     gw = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
     gw.add_argument("--redis-url", required=True)
@@ -106,6 +123,9 @@ def _build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--max-body-bytes", type=_positive_int, default=4 << 20)
     gw.add_argument("--requests-per-minute", type=int, default=0,
                     help="per API key (0 = no limit); answered with 429 beyond")
+    gw.add_argument("--max-overflow-windows", type=_positive_int, default=8,
+                    help="a request with context_overflow generates at most this many context "
+                         "windows of tokens")
     gw.add_argument("--tokens-per-minute", type=int, default=0,
                     help="prompt + max_tokens per API key per minute (0 = no limit)")
 
@@ -119,8 +139,23 @@ def _build_parser() -> argparse.ArgumentParser:
     u.add_argument("--kv-cache-bytes", type=_positive_int, default=None)
     u.add_argument("--max-model-len", type=_positive_int, default=None)
     u.add_argument("--threads", type=_positive_int, default=None, help="torch threads per worker")
+    u.add_argument("--quantization", choices=["none", "int8"], default="none",
+                   help="weight-only int8 for small iterations in every worker")
+    u.add_argument("--policy", choices=POLICIES, default="reserve", help="the scheduler's policy")
+    u.add_argument("--jobs", action="store_true",
+                   help="also start a Celery worker for batch jobs (/v1/jobs)")
     u.add_argument("--metrics-port-base", type=int, default=9400,
                    help="scheduler /metrics on this port, worker i on base+1+i (0 = off)")
+
+    hc = sub.add_parser("health", help="exit 0 when a shoal HTTP endpoint answers 200 "
+                                        "(container health checks)")
+    hc.add_argument("url", nargs="?", default=None,
+                    help=f"default: $SHOAL_HEALTH_URL, else {DEFAULT_HEALTH_URL}")
+    hc.add_argument("--timeout", type=float, default=3.0, help="seconds")
+
+    from shoal import jobs_cli
+
+    jobs_cli.add_parser(sub)
 
     ch = sub.add_parser("chaos", help="requests through a fleet whose workers keep dying")
     ch.add_argument("--requests", type=_positive_int, default=24)
@@ -141,13 +176,40 @@ def _build_parser() -> argparse.ArgumentParser:
     c.add_argument("--wait", type=float, default=0.0,
                    help="seconds to wait for the gateway's /readyz first (e.g. right after shoal up)")
     c.add_argument("message")
+    bi = bsub.add_parser("infinite", help="decode past the context window: tokens/s of plain "
+                                          "decode, shift and reevaluate")
+    _add_engine_args(bi)
+    bi.add_argument("--tokens", type=_positive_int, default=4096, help="tokens to generate")
+    bi.add_argument("--windows", default="256,1024", help="context windows, comma-separated")
+    bi.add_argument("--output", default="bench-results/infinite.json")
+    bsch = bsub.add_parser("scheduler", help="the scheduler alone against simulated workers: "
+                                             "cost of one plan by fleet and pool size")
+    bsch.add_argument("--workers", default="1,4,16,64,256", help="fleet sizes, comma-separated")
+    bsch.add_argument("--requests", default="100,1000,10000", help="pool sizes, comma-separated")
+    bsch.add_argument("--max-plans", type=_positive_int, default=2000,
+                      help="plans measured per combination")
+    bsch.add_argument("--output", default="bench-results/scheduler.json")
     bs = bsub.add_parser("serve", help="a workload through a running gateway (OpenAI API, streaming)")
     bs.add_argument("--url", default="http://127.0.0.1:8000")
+    bs.add_argument("--workload", default="w64",
+                    help="w64, orca (prompts 32-512, outputs 1-128 tokens), or a JSONL file of "
+                         '{"prompt", "max_tokens"} lines')
+    bs.add_argument("--num-requests", type=_positive_int, default=None,
+                    help="requests per run (default: the workload's, 64)")
+    bs.add_argument("--arrival", choices=["all", "poisson", "concurrency"], default="all")
+    bs.add_argument("--rates", default="1,2,4,8",
+                    help="with --arrival poisson: requests/s, comma-separated (one run each)")
+    bs.add_argument("--concurrency", default="16",
+                    help="with --arrival concurrency: requests in flight, comma-separated")
+    bs.add_argument("--label", default=None, help="name of this sweep in plots (e.g. the policy)")
+    bs.add_argument("--compare", action="append", default=[],
+                    help="another sweep's JSON to draw beside this one (repeatable)")
     bs.add_argument("--quick", action="store_true", help="a small run (figures not meaningful)")
     bs.add_argument("--seed", type=int, default=0)
     bs.add_argument("--vocab-size", type=_positive_int, default=49152,
                     help="token ids of random prompts are drawn below this")
-    bs.add_argument("--output", default="bench-results/serve.json", help="JSON file for the figures")
+    bs.add_argument("--output", default="bench-results/serve.json",
+                    help="JSON file for the figures; the PNG plots go beside it")
     return parser
 
 
@@ -159,7 +221,7 @@ def _engine_config(args: argparse.Namespace):
             dtype=DTYPES[args.dtype], block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
             kv_cache_memory_fraction=args.kv_cache_memory_fraction,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
+            max_model_len=args.max_model_len, quantization=args.quantization,
         )
     except ValueError as e:
         raise CLIError(str(e)) from e
@@ -189,7 +251,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                context_overflow=args.context_overflow, n_keep=args.n_keep)
     except InvalidSamplingParams as e:
         raise CLIError(str(e)) from e
     if not args.prompt:
@@ -224,6 +287,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "serve":
         return _cmd_bench_serve(args)
+    if args.bench == "infinite":
+        from shoal.model_files import resolve_model_path
+        from worker.bench import run_infinite_bench
+
+        _set_threads(args)
+        run_infinite_bench(resolve_model_path(args.model), _engine_config(args), args.tokens,
+                           _numbers(args.windows, int, "--windows"), args.output)
+        return 0
+    if args.bench == "scheduler":
+        from scheduler.bench import run_scheduler_bench
+
+        run_scheduler_bench(_numbers(args.workers, int, "--workers"),
+                            _numbers(args.requests, int, "--requests"), args.max_plans, args.output)
+        return 0
     from shoal.model_files import resolve_model_path
 
     cfg = _engine_config(args)
@@ -280,7 +357,8 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     serve_metrics(args.metrics_port)
 
     return SchedulerServer(args.redis_url, args.policy, args.max_num_seqs, args.prefix,
-                           args.max_migrations, args.lease_ms, args.queue_deadline).run()
+                           args.max_migrations, args.lease_ms, args.queue_deadline,
+                           args.priority_aging_s).run()
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:
@@ -302,7 +380,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     settings = GatewaySettings(api_keys=tuple(keys), public_paths=public,
                                max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
                                requests_per_minute=args.requests_per_minute,
-                               tokens_per_minute=args.tokens_per_minute)
+                               tokens_per_minute=args.tokens_per_minute,
+                               max_overflow_windows=args.max_overflow_windows)
     uvicorn.run(create_app(args.redis_url, args.model, args.prefix, settings), host=args.host,
                 port=args.port, log_level="warning")
     return 0
@@ -311,15 +390,39 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
 def _cmd_up(args: argparse.Namespace) -> int:
     from shoal.fleet import up
 
-    worker_args = ["--dtype", args.dtype]
+    worker_args = ["--dtype", args.dtype, "--quantization", args.quantization]
     for flag, value in (("--model", args.model), ("--kv-cache-bytes", args.kv_cache_bytes),
                         ("--max-model-len", args.max_model_len), ("--threads", args.threads)):
         if value is not None:
             worker_args += [flag, str(value)]
     try:
         return up(args.host, args.port, args.workers, args.redis_url, worker_args, args.threads,
-                  args.metrics_port_base)
+                  args.metrics_port_base, args.jobs, args.policy)
     except (RuntimeError, FileNotFoundError) as e:
+        raise CLIError(str(e)) from e
+
+
+def _cmd_health(args: argparse.Namespace) -> int:
+    import urllib.error
+    import urllib.request
+
+    url = args.url or os.environ.get("SHOAL_HEALTH_URL") or DEFAULT_HEALTH_URL
+    try:
+        with urllib.request.urlopen(url, timeout=args.timeout) as r:
+            status = r.status
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise CLIError(f"{url}: {e}") from e
+    if status != 200:
+        raise CLIError(f"{url}: HTTP {status}")
+    return 0
+
+
+def _cmd_jobs(args: argparse.Namespace) -> int:
+    from shoal.jobs_cli import JobsCLIError, run
+
+    try:
+        return run(args)
+    except JobsCLIError as e:
         raise CLIError(str(e)) from e
 
 
@@ -377,30 +480,58 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _numbers(text: str, kind, flag: str) -> list:
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise CLIError(f"{flag}: expected comma-separated numbers, got {text!r}") from e
+    if not values or any(v <= 0 for v in values):
+        raise CLIError(f"{flag}: expected positive numbers, got {text!r}")
+    return values
+
+
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    import httpx
+    from shoal.bench_serve import print_table, run_sweep, workload_requests, write_outputs
+    from shoal.workloads import W64_QUICK, make_requests
 
-    from shoal.bench_serve import print_and_write, run_serve_bench
-
+    rates = _numbers(args.rates, float, "--rates")
+    concurrencies = _numbers(args.concurrency, int, "--concurrency")
     try:
-        figures = asyncio.run(run_serve_bench(args.url, args.quick, args.seed, args.vocab_size))
-    except httpx.HTTPError as e:
-        raise CLIError(f"cannot reach the gateway at {args.url}: {e}") from e
-    print_and_write(figures, args.output)
-    return 1 if figures["errors"] else 0
+        name, reqs = workload_requests(args.workload, args.vocab_size, args.seed,
+                                       args.num_requests, args.quick)
+    except (ValueError, OSError) as e:
+        raise CLIError(str(e)) from e
+    for c in args.compare:
+        if not os.path.isfile(c):
+            raise CLIError(f"--compare: no file {c}")
+    warmup = make_requests(W64_QUICK, args.vocab_size, args.seed + 1, "warm")
+    runs = asyncio.run(run_sweep(args.url, reqs, args.arrival, rates, concurrencies, args.seed,
+                                 warmup=warmup))
+    if all(r["errors"] == r["requests"] for r in runs):
+        raise CLIError(f"every request failed; first error: {runs[0]['first_error']}")
+    figures = {"workload": name, "url": args.url, "label": args.label, "seed": args.seed,
+               "arrival": args.arrival, "runs": runs}
+    print_table(figures)
+    try:
+        written = write_outputs(figures, args.output, args.compare)
+    except (OSError, ValueError, KeyError) as e:
+        raise CLIError(f"cannot write the figures: {e}") from e
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 1 if any(r["errors"] for r in runs) else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `shoal` console script."""
-    parser = _build_parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     from shoal.model_files import ModelNotFoundError
 
     handlers = {"generate": _cmd_generate, "bench": _cmd_bench, "worker": _cmd_worker,
                 "scheduler": _cmd_scheduler, "gateway": _cmd_gateway, "up": _cmd_up,
-                "chat": _cmd_chat, "chaos": _cmd_chaos}
+                "chat": _cmd_chat, "chaos": _cmd_chaos, "health": _cmd_health,
+                "jobs": _cmd_jobs}
     try:
         return handlers[args.command](args)
     except (CLIError, ModelNotFoundError) as e:

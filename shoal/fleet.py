@@ -115,10 +115,13 @@ def stop_all(procs: list[subprocess.Popen], timeout_s: float = 20.0) -> None:
 
 
 def up(host: str, port: int, workers: int, redis_url: str | None, worker_args: list[str],
-       threads: int | None, metrics_port_base: int = 9400) -> int:
+       threads: int | None, metrics_port_base: int = 9400, jobs: bool = False,
+       policy: str = "reserve") -> int:
     """Run the fleet until Ctrl-C / SIGTERM. The scheduler exports metrics on
     `metrics_port_base`, worker i on `metrics_port_base + 1 + i` (0 turns them off); the gateway
-    on its own HTTP port. Returns the exit status."""
+    on its own HTTP port. With `jobs`, a Celery worker runs batch jobs through the gateway;
+    `policy` is the scheduler's.
+    Returns the exit status."""
     procs: list[subprocess.Popen] = []
     redis_proc: subprocess.Popen | None = None
     stopping = False
@@ -138,7 +141,7 @@ def up(host: str, port: int, workers: int, redis_url: str | None, worker_args: l
             return str(metrics_port_base + i if metrics_port_base else 0)
 
         procs.append(subprocess.Popen(shoal_command("scheduler", "--redis-url", redis_url,
-                                             "--metrics-port", mport(0))))
+                                             "--metrics-port", mport(0), "--policy", policy)))
         for i in range(workers):
             procs.append(subprocess.Popen(
                 shoal_command("worker", "--redis-url", redis_url, "--worker-id", f"worker-{i}",
@@ -149,6 +152,9 @@ def up(host: str, port: int, workers: int, redis_url: str | None, worker_args: l
         procs.append(subprocess.Popen(shoal_command("gateway", "--redis-url", redis_url, "--host", host,
                                              "--port", str(port), *model_args)))
         url = f"http://{host}:{port}"
+        if jobs:
+            procs.append(subprocess.Popen(shoal_command("jobs", "worker", "--redis-url", redis_url,
+                                                        "--gateway-url", url)))
         wait_ready(url, procs + ([redis_proc] if redis_proc else []), timeout_s=180)
         print(f"shoal fleet ready at {url} (redis {redis_url}, {workers} workers)", flush=True)
         if metrics_port_base:

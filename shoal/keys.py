@@ -22,6 +22,7 @@ class Keys:
             it to refuse work beyond their bound with 429).
         lease: the active scheduler's id, with a TTL (SET NX PX, renewed by its holder).
         progress(id): list of a request's generated token ids, for a scheduler taking over.
+        jobs, job(id), job_requests(id), job_results(id): batch jobs (shoal/jobs.py).
     """
 
     prefix: str = "shoal"
@@ -70,3 +71,16 @@ class Keys:
     def rate(self, who: str, what: str, minute: int) -> str:
         """Counter of `what` ("requests" or "tokens") used by `who` (a key hash) in `minute`."""
         return f"{self.prefix}:rate:{who}:{what}:{minute}"
+
+    @property
+    def jobs(self) -> str:
+        return f"{self.prefix}:jobs"
+
+    def job(self, job_id: str) -> str:
+        return f"{self.prefix}:job:{job_id}"
+
+    def job_requests(self, job_id: str) -> str:
+        return f"{self.prefix}:job:{job_id}:requests"
+
+    def job_results(self, job_id: str) -> str:
+        return f"{self.prefix}:job:{job_id}:results"

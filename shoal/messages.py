@@ -201,6 +201,8 @@ class RequestSubmission(Message):
         params: sampling parameters.
         arrival_time: Unix time in seconds when the gateway accepted it (FCFS order).
         reply_to: pub/sub channel of the gateway waiting for its tokens.
+        priority: lower is served first (as in vLLM); interactive requests 0, batch jobs 1.
+            The scheduler ages waiting requests so none waits forever (scheduler/core.py).
     """
 
     TYPE: ClassVar[str] = "request_submission"
@@ -210,6 +212,7 @@ class RequestSubmission(Message):
     params: SamplingParams
     arrival_time: float
     reply_to: str
+    priority: int = 0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RequestSubmission:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+CONTEXT_OVERFLOW = ("error", "reevaluate", "shift")
+
 
 class InvalidSamplingParams(ValueError):
     """A sampling parameter is out of range; the message names the parameter."""
@@ -32,6 +34,14 @@ class SamplingParams:
         min_tokens: the end-of-sequence and stop tokens cannot end the request before this many
             tokens were generated.
         logprobs: report the log-probability of each sampled token.
+        context_overflow: what happens when the request's context fills the window: "error"
+            (it finishes with finish_reason "length"), or it goes on past the window keeping
+            the first `n_keep` tokens (attention sinks, StreamingLLM) and dropping the next
+            `n_discard`: "reevaluate" recomputes the kept tokens' K/V at their new positions,
+            "shift" rotates the cached keys back by `n_discard` positions (shift-RoPE-K).
+        n_keep: tokens kept at the start of the context (>= 0).
+        n_discard: tokens dropped after them each time the window fills; None means half of the
+            window after the kept tokens.
     """
 
     max_tokens: int = 16
@@ -43,6 +53,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: bool = False
+    context_overflow: str = "error"
+    n_keep: int = 4
+    n_discard: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -57,6 +70,13 @@ class SamplingParams:
             raise InvalidSamplingParams(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
+        if self.context_overflow not in CONTEXT_OVERFLOW:
+            raise InvalidSamplingParams(f"context_overflow must be one of {', '.join(CONTEXT_OVERFLOW)}, "
+                                        f"got {self.context_overflow!r}")
+        if self.n_keep < 0:
+            raise InvalidSamplingParams(f"n_keep must be >= 0, got {self.n_keep}")
+        if self.n_discard is not None and self.n_discard < 1:
+            raise InvalidSamplingParams(f"n_discard must be >= 1, got {self.n_discard}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property

@@ -44,9 +44,12 @@ def hf_model(model_path):
 
 
 @contextlib.contextmanager
-def running_fleet(worker_args: tuple[str, ...] = ()):
+def running_fleet(worker_args: tuple[str, ...] = (), scheduler_log=None,
+                  gateway_args: tuple[str, ...] = ()):
     """A real fleet: redis-server, scheduler, one float32 worker "w0" (256 MiB of K/V: 364
-    blocks, plus `worker_args`) and the gateway, each a process, with metrics exported."""
+    blocks, plus `worker_args`) and the gateway, each a process, with metrics exported. The
+    scheduler's log (one JSON line per finished request) goes to the file `scheduler_log` if
+    given; `gateway_args` are added to the gateway's command line."""
     import subprocess
 
     from shoal.fleet import free_port, shoal_command, start_redis, stop_all, wait_ready, worker_env
@@ -58,12 +61,13 @@ def running_fleet(worker_args: tuple[str, ...] = ()):
     def shoal(*args, **kw):
         return subprocess.Popen([*shoal_command(), *args], **kw)
 
+    log = open(scheduler_log, "w") if scheduler_log else None  # closed in `finally` below
     procs = [
-        shoal("scheduler", "--redis-url", url, "--metrics-port", str(sport)),
+        shoal("scheduler", "--redis-url", url, "--metrics-port", str(sport), stderr=log),
         shoal("worker", "--redis-url", url, "--worker-id", "w0", "--dtype", "float32",
               "--kv-cache-bytes", str(256 << 20), "--threads", "1", "--metrics-port", str(wport),
               *worker_args, env=worker_env(1)),
-        shoal("gateway", "--redis-url", url, "--port", str(gport)),
+        shoal("gateway", "--redis-url", url, "--port", str(gport), *gateway_args),
     ]
     base = f"http://127.0.0.1:{gport}"
     fleet = {"url": base, "redis": url, "procs": procs, "redis_proc": redis_proc,
@@ -77,6 +81,8 @@ def running_fleet(worker_args: tuple[str, ...] = ()):
     finally:
         stop_all(procs)  # the fleet first, Redis last (a test may have restarted it)
         stop_all([fleet["redis_proc"]])
+        if log:
+            log.close()
 
 
 def spawn_worker(fleet: dict, worker_id: str, kv_cache_bytes: int):

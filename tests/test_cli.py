@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 from shoal.fleet import shoal_command
@@ -58,3 +59,19 @@ def test_bench_engine_quick_writes_its_json(tmp_path):
     assert figures["transformers_static_batch8"]["generated_tokens"] == figures["shoal"]["generated_tokens"]
     assert set(figures["decode_tokens_per_s"]) == {"1", "8"}
     assert "generated tokens/s" in r.stdout
+
+
+def test_bench_scheduler_writes_its_figures(tmp_path):
+    out = tmp_path / "scheduler.json"
+    r = subprocess.run([*shoal_command(), "bench", "scheduler", "--workers", "1,8",
+                        "--requests", "40", "--max-plans", "60", "--output", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())
+    assert [(row["workers"], row["requests"]) for row in rows] == [(1, 40), (8, 40)]
+    for row in rows:
+        assert row["plans"] > 1 and row["us_per_plan_median"] > 0 and row["plans_per_s"] > 0
+        assert 0 < row["mean_running"] <= 40
+    bad = subprocess.run([*shoal_command(), "bench", "scheduler", "--workers", "x"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--workers" in bad.stderr and "Traceback" not in bad.stderr

@@ -165,19 +165,27 @@ def test_shoal_up_serves_and_stops_cleanly():
         assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0, pid
 
 
-def test_bench_serve_quick_writes_its_json(fleet, tmp_path):
+def test_bench_serve_sweep_writes_its_json_and_plots(fleet, tmp_path):
     out = tmp_path / "serve.json"
-    r = subprocess.run([*shoal_command(), "bench", "serve", "--quick", "--url",
-                        fleet["url"], "--output", str(out)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([*shoal_command(), "bench", "serve", "--quick", "--url", fleet["url"],
+                        "--arrival", "poisson", "--rates", "4,16", "--label", "iteration-level",
+                        "--output", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     figures = json.loads(out.read_text())
-    assert figures["errors"] == 0 and figures["requests"] == 8
+    assert [run["rate"] for run in figures["runs"]] == [4.0, 16.0]
     # Output lengths are forced: every request generated exactly its max_tokens.
     from shoal.workloads import W64_QUICK, make_requests
 
     expected = sum(q.max_tokens for q in make_requests(W64_QUICK, 49152, 0))
-    assert figures["generated_tokens"] == expected
-    assert all(t["ttft_s"] is not None for t in figures["per_request"])
+    for run in figures["runs"]:
+        assert run["errors"] == 0 and run["requests"] == 8
+        assert run["generated_tokens"] == expected
+        for t in run["per_request"]:
+            assert t["ttft_s"] is not None and t["e2e_s"] >= t["ttft_s"]
+            assert abs(t["normalized_latency_s"] - t["e2e_s"] / t["output_tokens"]) < 1e-9
+    for suffix in ("throughput-latency", "ttft", "itl"):
+        png = tmp_path / f"serve-{suffix}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
 
 
 def test_placement_follows_free_kv_and_disconnects_free_blocks(fleet):

@@ -141,9 +141,12 @@ def test_real_prometheus_evaluates_every_dashboard_expression(fleet):
         deadline = time.monotonic() + 60
         while True:
             try:
-                t = httpx.get(f"{api}/targets", timeout=2).json()["data"]["activeTargets"]
-                if len(t) == 3 and all(x["health"] == "up" for x in t):
-                    break
+                r = httpx.get(f"{api}/targets", timeout=2)
+                # While its storage opens Prometheus answers 503 with a plain-text body.
+                if r.status_code == 200:
+                    t = r.json()["data"]["activeTargets"]
+                    if len(t) == 3 and all(x["health"] == "up" for x in t):
+                        break
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, "Prometheus never scraped the fleet"
@@ -183,6 +186,7 @@ def test_one_json_log_line_per_finished_request(caplog):
         SchedulerServer._log_finished(state, "length", "w0", 101.0)
     line = json.loads(caplog.records[-1].getMessage())
     assert line == {"event": "request_finished", "request_id": "cmpl-x", "worker": "w0",
+                    "priority": 0, "arrival_time": 100.0,
                     "prompt_tokens": 3, "generated_tokens": 2, "queue_time_s": 0.5, "ttft_s": 0.75,
                     "e2e_s": 1.0, "finish_reason": "length"}
     assert "901" not in caplog.text
