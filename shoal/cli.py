@@ -50,10 +50,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=["none", "int8"], default="none",
                    help="int8: weight-only int8 matmuls for iterations of a few rows (faster "
                         "single-stream decode; see docs/engine.md for its perplexity cost)")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu)")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="auto: triton on CUDA, the torch path (C++ kernels) on the CPU")
 
 
 DEFAULT_HEALTH_URL = "http://127.0.0.1:8000/healthz"
 POLICIES = ["reserve", "ondemand", "request-level"]  # scheduler/core.py POLICIES
+ATTENTION_BACKENDS = ["auto", "torch", "triton"]  # worker/config.py ATTENTION_BACKENDS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--threads", type=_positive_int, default=None, help="torch threads per worker")
     u.add_argument("--quantization", choices=["none", "int8"], default="none",
                    help="weight-only int8 for small iterations in every worker")
+    u.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="every worker's attention backend (auto: triton on CUDA, else torch)")
     u.add_argument("--policy", choices=POLICIES, default="reserve", help="the scheduler's policy")
     u.add_argument("--jobs", action="store_true",
                    help="also start a Celery worker for batch jobs (/v1/jobs)")
@@ -182,6 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     bi.add_argument("--tokens", type=_positive_int, default=4096, help="tokens to generate")
     bi.add_argument("--windows", default="256,1024", help="context windows, comma-separated")
     bi.add_argument("--output", default="bench-results/infinite.json")
+    bk = bsub.add_parser("kernels", help="the Triton kernels against the torch path on a CUDA "
+                                         "device, with achieved memory bandwidth")
+    bk.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    bk.add_argument("--output", default="bench-results/kernels.json")
     bsch = bsub.add_parser("scheduler", help="the scheduler alone against simulated workers: "
                                              "cost of one plan by fleet and pool size")
     bsch.add_argument("--workers", default="1,4,16,64,256", help="fleet sizes, comma-separated")
@@ -222,6 +233,7 @@ def _engine_config(args: argparse.Namespace):
             kv_cache_memory_fraction=args.kv_cache_memory_fraction,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, quantization=args.quantization,
+            device=args.device, attention_backend=args.attention_backend,
         )
     except ValueError as e:
         raise CLIError(str(e)) from e
@@ -294,6 +306,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         _set_threads(args)
         run_infinite_bench(resolve_model_path(args.model), _engine_config(args), args.tokens,
                            _numbers(args.windows, int, "--windows"), args.output)
+        return 0
+    if args.bench == "kernels":
+        from worker.config import DTYPES
+        from worker.kernel_bench import run_kernel_bench
+
+        run_kernel_bench(args.output, DTYPES[args.dtype])
         return 0
     if args.bench == "scheduler":
         from scheduler.bench import run_scheduler_bench
@@ -390,7 +408,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
 def _cmd_up(args: argparse.Namespace) -> int:
     from shoal.fleet import up
 
-    worker_args = ["--dtype", args.dtype, "--quantization", args.quantization]
+    worker_args = ["--dtype", args.dtype, "--quantization", args.quantization,
+                   "--attention-backend", args.attention_backend]
     for flag, value in (("--model", args.model), ("--kv-cache-bytes", args.kv_cache_bytes),
                         ("--max-model-len", args.max_model_len), ("--threads", args.threads)):
         if value is not None:

@@ -7,6 +7,10 @@ import os
 
 # Two busy processes on two cores make OpenMP spin; tests never need more than that.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Triton reads this when it is imported: without a GPU its interpreter runs the kernels of
+# worker/kernels on CPU tensors (tests/test_kernels.py). Nothing imports Triton before this line.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

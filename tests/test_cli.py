@@ -42,6 +42,8 @@ def test_bad_arguments_fail_clearly(tmp_path):
         (["generate", "--top-p", "2", "hi"], "top_p"),
         (["generate", "--kv-cache-memory-fraction", "1.5", "hi"], "kv_cache_memory_fraction"),
         (["generate", "--kv-cache-bytes", "1000", "hi"], "K/V"),
+        (["generate", "--device", "tpu", "hi"], "device"),
+        (["generate", "--attention-backend", "triton", "--block-size", "8", "hi"], "power of two"),
     ]:
         r = _shoal(*args)
         assert r.returncode != 0

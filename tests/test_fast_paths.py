@@ -12,7 +12,7 @@ from tests.conftest import make_engine
 from worker import cpu_ops
 from worker.loader import load_model
 from worker.offline import generate
-from worker.perplexity import REFERENCE_TEXT, decode_perplexity, reference_text
+from worker.perplexity import REFERENCE_TEXT, decode_perplexity, reference_text, teacher_force
 
 INT8_PERPLEXITY_BOUND = 1.02  # int8 perplexity at most 2% above bfloat16's (docs/engine.md)
 
@@ -39,13 +39,39 @@ def _run(model, tokenizer, **kw):
 
 
 @pytest.mark.skipif(not cpu_ops.load(), reason="the C++ kernels did not build here")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fast_paths_give_the_reference_tokens(fp32_model, bf16_model, tokenizer, dtype):
-    model = fp32_model if dtype == torch.float32 else bf16_model
-    fast = _run(model, tokenizer, dtype=dtype, max_num_batched_tokens=256)
-    reference = _run(model, tokenizer, dtype=dtype, max_num_batched_tokens=256, fast_paths=False)
+def test_fast_paths_give_the_reference_tokens_in_float32(fp32_model, tokenizer):
+    fast = _run(fp32_model, tokenizer, max_num_batched_tokens=256)
+    reference = _run(fp32_model, tokenizer, max_num_batched_tokens=256, fast_paths=False)
     assert all(len(t) == 24 for t in fast.values())
     assert fast == reference
+
+
+def _forced_logits(model, ids, **kw) -> torch.Tensor:
+    """`[len(ids) - 1, vocab]` float32 logits of one request teacher-forced over `ids`."""
+    got = []
+    teacher_force(make_engine(model, **kw), {"a": SamplingParams()}, ids,
+                  lambda i, logits: got.append(logits["a"].clone()))
+    return torch.stack(got)
+
+
+# bfloat16 rounds differently in oneDNN's packed matmuls and the C++ kernels than in the torch
+# path, and greedy tokens part at near-ties (seen on an AMD EPYC: token 13 of one of four
+# requests). So in bfloat16 both paths are held against float32: measured over 128 tokens, mean
+# relative L2 error of the logits 1.55% (fast) and 1.76% (torch path), argmax agreement 99.2%.
+@pytest.mark.skipif(not cpu_ops.load(), reason="the C++ kernels did not build here")
+@pytest.mark.skipif(not REFERENCE_TEXT.exists(), reason=f"{REFERENCE_TEXT} is not on this machine")
+def test_bfloat16_fast_paths_are_as_close_to_float32_as_the_torch_path(fp32_model, bf16_model,
+                                                                        tokenizer):
+    ids = tokenizer.encode(reference_text(), add_special_tokens=False)[:128]
+    exact = _forced_logits(fp32_model, ids, fast_paths=False)
+    err, agree = {}, {}
+    for fast in (True, False):
+        logits = _forced_logits(bf16_model, ids, dtype=torch.bfloat16, fast_paths=fast)
+        err[fast] = ((logits - exact).norm(dim=1) / exact.norm(dim=1)).mean().item()
+        agree[fast] = (logits.argmax(1) == exact.argmax(1)).float().mean().item()
+    assert err[False] < 0.05  # the oracle itself is sane
+    assert err[True] <= 1.25 * err[False], err
+    assert agree[True] >= agree[False] - 0.02, agree
 
 
 @pytest.mark.skipif(not REFERENCE_TEXT.exists(), reason=f"{REFERENCE_TEXT} is not on this machine")

@@ -108,7 +108,7 @@ def test_decode_attention(dtype, head_dim, block_size, group):
         free = free[m:]
     k_pool, v_pool = _random_cache(g, hkv, num_blocks, block_size, head_dim, dtype)
     q = torch.randn(len(lens), hkv * group, head_dim, generator=g).to(dtype)
-    meta = build_metadata(tables, lens, [], block_size, kernels=True)
+    meta = build_metadata(tables, lens, [], block_size)
     scale = head_dim**-0.5
     out = torch.ops.shoal.decode_attention(q, k_pool, v_pool, meta.decode_block_tables,
                                            meta.decode_lens, scale)

@@ -20,17 +20,24 @@ block_size]` (keys transposed within a block) and `v_pool [Hkv, num_blocks, bloc
   replaced grouped bmm + softmax: 256-token prompt 4.8 -> 0.55 ms per layer.
 
 The metadata is built once per iteration by `build_metadata` and shared by all layers.
+
+Backends. How attention runs (RoPE, writing K/V, decode, prefill, the key rotation of shift-RoPE-K)
+is an `AttentionBackend`; the model is written once against it. `TorchAttention` is the CPU path
+above (C++ kernels where built, plain torch otherwise); `worker.kernels.TritonAttention` runs Triton
+kernels and is the default on CUDA. `make_backend` picks one (`--attention-backend`).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 
-from worker.ops import rope_rotate
+from worker import ops
+from worker.config import ATTENTION_BACKENDS
 
 
 @dataclass
@@ -70,7 +77,7 @@ class AttentionMetadata:
         decode_lens: `[num_decodes]` int64, each decode request's length including its new token.
         block_size: tokens per block.
         prefills: the prefill chunks, in row order after the decodes.
-        kernels: run the C++ kernels (`worker.ops.kernels_enabled`), else the torch path.
+        device: where the tensors live (the K/V cache's device).
     """
 
     slot_mapping: torch.Tensor
@@ -79,14 +86,32 @@ class AttentionMetadata:
     decode_lens: torch.Tensor
     block_size: int
     prefills: list[PrefillSpan] = field(default_factory=list)
-    kernels: bool = False
+    device: torch.device = torch.device("cpu")
 
     @cached_property
     def decode_mask(self) -> torch.Tensor:
         """`[num_decodes, 1, max_blocks * block_size]` bool, True past each request's length
         (the torch path's mask)."""
         width = self.decode_block_tables.shape[1] * self.block_size
-        return (torch.arange(width)[None, :] >= self.decode_lens[:, None]).unsqueeze(1)
+        return (torch.arange(width, device=self.device)[None, :]
+                >= self.decode_lens[:, None]).unsqueeze(1)
+
+    @cached_property
+    def prefill_arrays(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The prefill chunks as arrays for a kernel over all of them: block tables
+        `[num_prefills, max_blocks]` (zero-padded), first rows, chunk lengths and cached lengths
+        `[num_prefills]` (int64), and the longest chunk in tokens."""
+        spans = self.prefills
+        width = max((len(s.block_table) for s in spans), default=0)
+        tables = torch.zeros((len(spans), width), dtype=torch.long)
+        for i, s in enumerate(spans):
+            tables[i, : len(s.block_table)] = s.block_table.cpu()
+        def column(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(self.device)
+
+        return (tables.to(self.device), column([s.start for s in spans]),
+                column([s.end - s.start for s in spans]), column([s.num_cached for s in spans]),
+                max((s.end - s.start for s in spans), default=0))
 
 
 def build_metadata(
@@ -94,7 +119,7 @@ def build_metadata(
     decode_lens: list[int],
     prefill_chunks: list[tuple[list[int], int, int]],
     block_size: int,
-    kernels: bool = False,
+    device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
     """Build one iteration's metadata.
 
@@ -103,8 +128,9 @@ def build_metadata(
         decode_lens: each decode request's length in tokens including the new token.
         prefill_chunks: per prefill request `(block_table, num_cached, chunk_len)`.
         block_size: tokens per block.
-        kernels: use the C++ kernels.
+        device: the K/V cache's device.
     """
+    device = torch.device(device)
     slots: list[int] = []
     for table, n in zip(decode_tables, decode_lens):
         pos = n - 1
@@ -114,64 +140,186 @@ def build_metadata(
     for table, num_cached, chunk in prefill_chunks:
         for pos in range(num_cached, num_cached + chunk):
             slots.append(table[pos // block_size] * block_size + pos % block_size)
-        prefills.append(PrefillSpan(row, row + chunk, num_cached, torch.tensor(table)))
+        prefills.append(PrefillSpan(row, row + chunk, num_cached,
+                                    torch.tensor(table, dtype=torch.long, device=device)))
         row += chunk
     max_blocks = max((len(t) for t in decode_tables), default=0)
     padded = torch.zeros((len(decode_tables), max_blocks), dtype=torch.long)
     for i, t in enumerate(decode_tables):
         padded[i, : len(t)] = torch.tensor(t)
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        slot_mapping=torch.tensor(slots, dtype=torch.long).to(device),
         num_decodes=len(decode_tables),
-        decode_block_tables=padded,
-        decode_lens=torch.tensor(decode_lens, dtype=torch.long),
+        decode_block_tables=padded.to(device),
+        decode_lens=torch.tensor(decode_lens, dtype=torch.long).to(device),
         block_size=block_size,
         prefills=prefills,
-        kernels=kernels,
+        device=device,
     )
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Write this iteration's K/V into the pools, then attend per request.
+class AttentionBackend:
+    """How attention runs: RoPE, K/V writes, decode and prefill attention, key rotation.
+
+    Subclasses implement the five primitives; `forward` and `shift_request_kv` are written once
+    on top of them. Pool layouts: `k_pool [Hkv, num_blocks, D, BS]` (keys transposed within a
+    block), `v_pool [Hkv, num_blocks, BS, D]`.
+    """
+
+    name = "abstract"
+
+    def check(self, block_size: int, head_dim: int) -> None:
+        """Raise ValueError where this backend cannot serve pools of these sizes (tokens)."""
+
+    def rope_(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+              num_heads: int, head_dim: int) -> None:
+        """Rotate the first `num_heads` heads of each row of `qkv` `[n, >= num_heads * D]` in
+        place by its position (`[n]` int64); see `worker.ops.rope_`."""
+        raise NotImplementedError
+
+    def rotate_keys(self, keys: torch.Tensor, delta: int, cos_sin: torch.Tensor) -> torch.Tensor:
+        """Keys `[n, Hkv, D]` that carry RoPE at positions p, made to carry it at p + delta
+        (`worker.ops.rope_rotate`); may work in place and returns the result."""
+        raise NotImplementedError
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+                 v_pool: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store `k`, `v` `[n, Hkv, D]` at their slots (`[n]` int64, `block * BS + offset`)."""
+        raise NotImplementedError
+
+    def decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+               meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        """Decode attention of `q` `[num_decodes, Hq, D]` into `out` `[num_decodes, Hq * D]`."""
+        raise NotImplementedError
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+                v_pool: torch.Tensor, meta: AttentionMetadata, scale: float,
+                out: torch.Tensor) -> None:
+        """Causal attention of every prefill chunk (rows of the flat `q`, `k`, `v`) over its
+        cached prefix and itself, into the chunk's rows of `out` `[num_tokens, Hq * D]`."""
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+                v_pool: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Write this iteration's K/V into one layer's pools, then attend per request.
+
+        Args:
+            q: `[num_tokens, Hq, D]` queries (RoPE applied); unit stride along D.
+            k, v: `[num_tokens, Hkv, D]` new keys (RoPE applied) and values.
+            k_pool, v_pool: the layer's pools.
+            meta: the iteration's metadata.
+            scale: softmax scale, usually `D ** -0.5`.
+
+        Returns:
+            `[num_tokens, Hq * D]` in q's dtype, each row attending only to its own request's
+            tokens up to and including itself.
+        """
+        n, hq, d = q.shape
+        self.write_kv(k, v, k_pool, v_pool, meta.slot_mapping)
+        out = torch.empty((n, hq * d), dtype=q.dtype, device=q.device)
+        nd = meta.num_decodes
+        if nd:
+            self.decode(q[:nd], k_pool, v_pool, meta, scale, out[:nd])
+        if meta.prefills:
+            self.prefill(q, k, v, k_pool, v_pool, meta, scale, out)
+        return out
+
+    def shift_request_kv(self, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                         block_table: list[int], keep: int, discard: int, length: int,
+                         cos_sin: torch.Tensor) -> None:
+        """Drop positions `[keep, keep + discard)` of one request's cached K/V in one layer: the
+        entries at `[keep + discard, length)` move down by `discard` positions, their keys rotated
+        back by `discard` (shift-RoPE-K); values are position-free and only move. No
+        recomputation.
+
+        Args:
+            k_pool, v_pool: the layer's pools.
+            block_table: the request's blocks, covering `length` tokens.
+            keep, discard, length: tokens kept at the start, dropped after them, cached in all.
+            cos_sin: the model's RoPE table (`worker.ops.rope_cos_sin`).
+        """
+        bs = v_pool.shape[2]
+        table = torch.tensor(block_table, dtype=torch.long, device=k_pool.device)
+        # Copies: the source and destination ranges overlap, so read everything first.
+        keys, values = gather_request_kv(k_pool, v_pool, table, length)
+        keys = keys[:, keep + discard:].transpose(0, 1).contiguous()  # [moved, Hkv, D]
+        values = values[:, keep + discard:].transpose(0, 1).contiguous()
+        pos = torch.arange(keep, length - discard, device=k_pool.device)
+        self.write_kv(self.rotate_keys(keys, -discard, cos_sin), values, k_pool, v_pool,
+                      table[pos // bs] * bs + pos % bs)
+
+
+class TorchAttention(AttentionBackend):
+    """The CPU path: the C++ kernels of worker/csrc where built for the dtype, plain torch
+    otherwise (and on any device).
 
     Args:
-        q: `[num_tokens, num_heads, head_dim]` queries (RoPE applied); unit stride along head_dim.
-        k, v: `[num_tokens, num_kv_heads, head_dim]` new keys (RoPE applied) and values.
-        k_pool: one layer's keys, `[num_kv_heads, num_blocks, head_dim, block_size]`.
-        v_pool: one layer's values, `[num_kv_heads, num_blocks, block_size, head_dim]`.
-        meta: the iteration's metadata.
-        scale: softmax scale, usually `head_dim ** -0.5`.
-
-    Returns:
-        `[num_tokens, num_heads * head_dim]`, each row attending only to its own request's tokens
-        up to and including itself. Same dtype as `q`.
+        cpu_kernels: use the C++ kernels (`worker.ops.kernels_enabled`).
     """
-    n, hq, d = q.shape
-    write_kv(k, v, k_pool, v_pool, meta.slot_mapping, meta.kernels)
-    out = torch.empty((n, hq * d), dtype=q.dtype)
-    nd = meta.num_decodes
-    if nd:
-        if meta.kernels:
-            out[:nd] = torch.ops.shoal.decode_attention(
-                q[:nd], k_pool, v_pool, meta.decode_block_tables, meta.decode_lens, scale)
+
+    name = "torch"
+
+    def __init__(self, cpu_kernels: bool) -> None:
+        self.cpu_kernels = cpu_kernels
+
+    def rope_(self, qkv, positions, cos_sin, num_heads, head_dim):
+        ops.rope_(qkv, positions, cos_sin, num_heads, head_dim, self.cpu_kernels)
+
+    def rotate_keys(self, keys, delta, cos_sin):
+        return ops.rope_rotate(keys, delta, cos_sin)
+
+    def write_kv(self, k, v, k_pool, v_pool, slot_mapping):
+        write_kv(k, v, k_pool, v_pool, slot_mapping, self.cpu_kernels)
+
+    def decode(self, q, k_pool, v_pool, meta, scale, out):
+        if self.cpu_kernels:
+            out.copy_(torch.ops.shoal.decode_attention(q, k_pool, v_pool, meta.decode_block_tables,
+                                                       meta.decode_lens, scale))
         else:
-            out[:nd] = decode_attention_reference(q[:nd], k_pool, v_pool, meta, scale)
-    for span in meta.prefills:
-        out[span.start : span.end] = _prefill_attention(q, k, v, k_pool, v_pool, span, scale)
-    return out
+            out.copy_(decode_attention_reference(q, k_pool, v_pool, meta, scale))
+
+    def prefill(self, q, k, v, k_pool, v_pool, meta, scale, out):
+        for span in meta.prefills:
+            out[span.start : span.end] = _prefill_attention(q, k, v, k_pool, v_pool, span, scale)
+
+
+def make_backend(name: str, device: torch.device, cpu_kernels: bool) -> AttentionBackend:
+    """The attention backend `name` ("auto", "torch" or "triton") for a model on `device`.
+
+    "auto" is Triton on CUDA (when Triton is installed) and the torch path elsewhere.
+
+    Raises:
+        ValueError: an unknown name, or "triton" where it cannot run: Triton is not installed, or
+            the device is not CUDA and `TRITON_INTERPRET=1` (Triton's interpreter, which runs the
+            kernels on CPU tensors for tests) is not set.
+    """
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                         f"got {name!r}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and _triton_installed() else "torch"
+    if name == "torch":
+        return TorchAttention(cpu_kernels and device.type == "cpu")
+    if not _triton_installed():
+        raise ValueError("--attention-backend triton needs Triton (pip install triton)")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("--attention-backend triton needs a CUDA device (or TRITON_INTERPRET=1, "
+                         "set before start, to run its kernels interpreted on the CPU)")
+    from worker.kernels import TritonAttention
+
+    return TritonAttention()
+
+
+def _triton_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
              slot_mapping: torch.Tensor, kernels: bool) -> None:
-    """Store new keys and values at their slots (layouts as in `paged_attention`)."""
+    """Store new keys and values `[n, Hkv, D]` at their slots (the torch path; layouts as in
+    `AttentionBackend`); `kernels` runs the C++ op."""
     if kernels:
         torch.ops.shoal.write_kv(k, v, k_pool, v_pool, slot_mapping)
         return
@@ -217,30 +365,6 @@ def gather_request_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: t
     keys = k_pool.index_select(1, block_table).transpose(2, 3).reshape(hkv, -1, d)[:, :num_tokens]
     values = v_pool.index_select(1, block_table).view(hkv, -1, d)[:, :num_tokens]
     return keys, values
-
-
-def shift_request_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: list[int],
-                     keep: int, discard: int, length: int, cos_sin: torch.Tensor,
-                     kernels: bool) -> None:
-    """Drop positions `[keep, keep + discard)` of one request's cached K/V in one layer: the
-    entries at `[keep + discard, length)` move down by `discard` positions, their keys rotated
-    back by `discard` (shift-RoPE-K); values are position-free and only move. No recomputation.
-
-    Args:
-        k_pool, v_pool: the layer's pools (layouts as in `paged_attention`).
-        block_table: the request's blocks, covering `length` tokens.
-        keep, discard, length: tokens kept at the start, dropped after them, cached in all.
-        cos_sin: the model's RoPE table (`worker.ops.rope_cos_sin`).
-    """
-    bs = v_pool.shape[2]
-    table = torch.tensor(block_table)
-    keys, values = gather_request_kv(k_pool, v_pool, table, length)  # copies: overlap is safe
-    moved = length - keep - discard
-    k = rope_rotate(keys[:, keep + discard:], -discard, cos_sin)
-    pos = torch.arange(keep, keep + moved)
-    slots = table[pos // bs] * bs + pos % bs
-    write_kv(k.transpose(0, 1).contiguous(), values[:, keep + discard:].transpose(0, 1).contiguous(),
-             k_pool, v_pool, slots, kernels)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -66,6 +68,9 @@ class EngineConfig:
             (worker.linear); the bfloat16 weights serve larger iterations.
         fast_paths: use the C++ kernels (worker/ops.py) and oneDNN-prepacked weights
             (worker/linear.py) where available; False runs the plain torch reference everywhere.
+        device: "cpu", "cuda" or "cuda:N"; None is CUDA where torch sees one, else the CPU.
+        attention_backend: "auto" (Triton on CUDA, the torch path on the CPU), "torch" or
+            "triton" (worker.attention.make_backend).
     """
 
     dtype: torch.dtype = torch.bfloat16
@@ -77,6 +82,8 @@ class EngineConfig:
     max_model_len: int | None = None
     quantization: str = "none"
     fast_paths: bool = True
+    device: str | None = None
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -93,8 +100,25 @@ class EngineConfig:
             raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
         if self.quantization == "int8" and self.dtype == torch.float16:
             raise ValueError("--quantization int8 needs bfloat16 or float32")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+        if self.device is not None:
+            try:
+                device = torch.device(self.device)
+            except RuntimeError as e:
+                raise ValueError(f"unknown device {self.device!r}: {e}") from None
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"device {self.device!r}: torch sees no CUDA device here")
+            if device.type not in ("cpu", "cuda"):
+                raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if not 0.0 < self.kv_cache_memory_fraction < 1.0:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1)")
+
+
+def default_device() -> str:
+    """CUDA where torch sees a GPU, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -17,8 +17,8 @@ import torch
 
 from shoal.messages import IterationPlan, IterationResult, NewRequest, TokenOutput
 from shoal.sampling_params import SamplingParams
-from worker.attention import build_metadata, shift_request_kv
-from worker.config import EngineConfig, ModelConfig
+from worker.attention import build_metadata
+from worker.config import EngineConfig, ModelConfig, default_device
 from worker.kv_cache import KVCache, KVCacheFullError
 from worker.loader import load_model
 from worker.model import LlamaModel
@@ -96,10 +96,14 @@ class Engine:
         self.max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
         self.model = LlamaModel(model_cfg, weights, self.max_model_len, cfg.quantization,
-                                 cfg.fast_paths)
+                                 cfg.fast_paths, cfg.device or default_device(),
+                                 cfg.attention_backend)
+        self.device = self.model.device
+        self.model.attention.check(cfg.block_size, model_cfg.head_dim)
         num_blocks = KVCache.num_blocks_for(model_cfg, cfg.block_size, cfg.dtype,
-                                            cfg.kv_cache_bytes, cfg.kv_cache_memory_fraction)
-        self.kv_cache = KVCache(model_cfg, num_blocks, cfg.block_size, cfg.dtype)
+                                            cfg.kv_cache_bytes, cfg.kv_cache_memory_fraction,
+                                            self.device)
+        self.kv_cache = KVCache(model_cfg, num_blocks, cfg.block_size, cfg.dtype, self.device)
         self.sampler = Sampler()
         self.running: dict[str, Sequence] = {}
         self.keep_logits = keep_logits
@@ -191,8 +195,9 @@ class Engine:
         else:
             length = s.num_computed_tokens  # the newest token is not cached yet
             for i in range(self.model_cfg.num_layers):
-                shift_request_kv(self.kv_cache.k[i], self.kv_cache.v[i], s.block_table, keep, drop,
-                                 length, self.model.cos_sin, self.model.kernels)
+                self.model.attention.shift_request_kv(self.kv_cache.k[i], self.kv_cache.v[i],
+                                                      s.block_table, keep, drop, length,
+                                                      self.model.cos_sin)
             s.num_computed_tokens = length - drop
             self.kv_cache.truncate(s.block_table, s.num_computed_tokens)
         s.num_discarded += drop
@@ -295,9 +300,10 @@ class Engine:
         meta = build_metadata(
             [s.block_table for s in decodes], [s.num_computed_tokens + 1 for s in decodes],
             [(s.block_table, s.num_computed_tokens, c) for s, c in prefills],
-            self.cfg.block_size, self.model.kernels,
+            self.cfg.block_size, self.device,
         )
-        hidden = self.model.forward(torch.tensor(ids), torch.tensor(positions), meta, self.kv_cache)
+        hidden = self.model.forward(torch.tensor(ids, device=self.device),
+                                    torch.tensor(positions, device=self.device), meta, self.kv_cache)
         for s in decodes:
             s.num_computed_tokens += 1
         for s, c in prefills:
@@ -305,6 +311,9 @@ class Engine:
         if not samplers:
             return []
         logits, argmax = self.model.compute_logits(hidden[sample_rows])
+        # Sampling runs on the CPU: each request's seeded generator is a CPU generator, and the
+        # rows that sample are few. (On the CPU these are no-ops.)
+        logits, argmax = logits.cpu(), argmax.cpu()
         if self._suppress_early_stop(logits, samplers):
             argmax = None  # banned tokens changed the rows: the sampler takes its own argmax
         if self.keep_logits:

@@ -95,29 +95,34 @@ class KVCache:
         block_size: tokens per block.
     """
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
         k_shape = (cfg.num_kv_heads, num_blocks, cfg.head_dim, block_size)
         v_shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         # Zeroed, not empty: the torch path reads padded block-table entries (real, unused blocks)
         # and multiplies their masked-out scores by the values; garbage NaNs there would poison it.
-        self.k = [torch.zeros(k_shape, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(v_shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
 
     @staticmethod
     def num_blocks_for(
         cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_bytes: int | None,
-        memory_fraction: float,
+        memory_fraction: float, device: torch.device | str = "cpu",
     ) -> int:
-        """Blocks that fit in `kv_cache_bytes`, or in `memory_fraction` of available memory.
+        """Blocks that fit in `kv_cache_bytes`, or in `memory_fraction` of the memory available
+        on `device` (the OS's for the CPU, the driver's free memory for CUDA).
 
         Raises:
             ValueError: the budget holds not even one block.
         """
-        budget = kv_cache_bytes if kv_cache_bytes is not None else int(
-            available_memory_bytes() * memory_fraction
-        )
+        if kv_cache_bytes is not None:
+            budget = kv_cache_bytes
+        elif torch.device(device).type == "cuda":
+            budget = int(torch.cuda.mem_get_info(torch.device(device))[0] * memory_fraction)
+        else:
+            budget = int(available_memory_bytes() * memory_fraction)
         per_block = bytes_per_block(cfg, block_size, dtype)
         if budget < per_block:
             raise ValueError(f"a K/V cache of {budget} bytes holds no block; one block of "

@@ -64,7 +64,8 @@ class Linear:
             self.int8 = quantize_int8(weight)
         self.packed = None
         self.weight: torch.Tensor | None = weight
-        if pack and weight.dtype == torch.bfloat16 and _mkldnn_bf16_available():
+        if (pack and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+                and _mkldnn_bf16_available()):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_ROWS_HINT)
             self.weight = None
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from worker import ops
-from worker.attention import AttentionMetadata, paged_attention
+from worker.attention import AttentionMetadata, make_backend
 from worker.config import ModelConfig
 from worker.kv_cache import KVCache
 from worker.linear import Linear
@@ -53,14 +53,25 @@ class LlamaModel:
         max_positions: size of the RoPE table in positions (the served context window).
         quantization: "none" or "int8" (weight-only, for small iterations: see worker.linear).
         fast_paths: C++ kernels and prepacked weights where available (else the torch reference).
+        device: where the weights live and the model runs.
+        attention_backend: "auto", "torch" or "triton" (worker.attention.make_backend).
+
+    Raises:
+        ValueError: an attention backend that cannot run here.
     """
 
     REFINE_TOP_K = 8  # logits recomputed in float32 per sampling row (see compute_logits)
 
     def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int,
-                 quantization: str = "none", fast_paths: bool = True) -> None:
+                 quantization: str = "none", fast_paths: bool = True,
+                 device: torch.device | str = "cpu", attention_backend: str = "auto") -> None:
         self.cfg = cfg
+        self.device = torch.device(device)
+        if self.device.type != "cpu":
+            weights = {name: w.to(self.device) for name, w in weights.items()}
         self.dtype = weights["model.embed_tokens.weight"].dtype
+        self.kernels = fast_paths and self.device.type == "cpu" and ops.kernels_enabled(self.dtype)
+        self.attention = make_backend(attention_backend, self.device, self.kernels)
         self.embed = weights["model.embed_tokens.weight"]
         self.norm = weights["model.norm.weight"].float()
         # The plain LM head weight serves the exact recomputation of each row's best logits
@@ -84,9 +95,8 @@ class LlamaModel:
                     down=linear(p + "mlp.down_proj.weight"),
                 )
             )
-        self.cos_sin = ops.rope_cos_sin(cfg.rope_theta, cfg.head_dim, max_positions)
+        self.cos_sin = ops.rope_cos_sin(cfg.rope_theta, cfg.head_dim, max_positions).to(self.device)
         self.scale = cfg.head_dim**-0.5
-        self.kernels = fast_paths and ops.kernels_enabled(self.dtype)
 
     @torch.inference_mode()
     def forward(
@@ -96,7 +106,7 @@ class LlamaModel:
         """Run all layers over one iteration's flat batch.
 
         Args:
-            input_ids: `[num_tokens]` int64.
+            input_ids: `[num_tokens]` int64, on the model's device.
             positions: `[num_tokens]` int64, each token's position within its own request.
             meta: per-request attention metadata (worker.attention.build_metadata).
             kv_cache: the paged pools; this iteration's K/V are written into them.
@@ -112,13 +122,13 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             h = ops.add_rms_norm(x, delta, layer.attn_norm, eps, dt, kern)
             qkv = layer.qkv(h)
-            ops.rope_(qkv, positions, self.cos_sin, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim,
-                      kern)
+            self.attention.rope_(qkv, positions, self.cos_sin, cfg.num_heads + cfg.num_kv_heads,
+                                 cfg.head_dim)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            a = paged_attention(q.view(n, cfg.num_heads, cfg.head_dim),
-                                k.view(n, cfg.num_kv_heads, cfg.head_dim),
-                                v.view(n, cfg.num_kv_heads, cfg.head_dim),
-                                kv_cache.k[i], kv_cache.v[i], meta, self.scale)
+            a = self.attention.forward(q.view(n, cfg.num_heads, cfg.head_dim),
+                                       k.view(n, cfg.num_kv_heads, cfg.head_dim),
+                                       v.view(n, cfg.num_kv_heads, cfg.head_dim),
+                                       kv_cache.k[i], kv_cache.v[i], meta, self.scale)
             h = ops.add_rms_norm(x, layer.o(a), layer.mlp_norm, eps, dt, kern)
             delta = layer.down(ops.silu_and_mul(layer.gate_up(h), kern))
         if delta is not None:

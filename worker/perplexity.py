@@ -53,8 +53,9 @@ def decode_perplexity(engine: Engine, token_ids: list[int]) -> float:
     try:
         for i in range(len(token_ids) - 1):
             cache.grow(table, i + 1)
-            meta = build_metadata([table], [i + 1], [], cache.block_size, model.kernels)
-            hidden = model.forward(torch.tensor([token_ids[i]]), torch.tensor([i]), meta, cache)
+            meta = build_metadata([table], [i + 1], [], cache.block_size, model.device)
+            hidden = model.forward(torch.tensor([token_ids[i]], device=model.device),
+                                   torch.tensor([i], device=model.device), meta, cache)
             logits, _ = model.compute_logits(hidden)
             nll -= torch.log_softmax(logits[0], dim=-1)[token_ids[i + 1]].item()
     finally:
