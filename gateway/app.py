@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import metrics
 from gateway.jobs import jobs_router
+from gateway.pages import pages_router
 from shoal.detokenizer import IncrementalDetokenizer
 from shoal.keys import Keys
 from shoal.messages import Cancel, RequestSubmission, TokenEvent, WorkerInfo, decode, encode
@@ -414,6 +415,30 @@ class Gateway:
                            "max_tokens) per minute for this API key", status=429,
                            kind="rate_limit_error")
 
+    async def fleet(self) -> FleetStatus:
+        """The fleet as the scheduler sees it: every registered worker's latest heartbeat
+        (`WorkerInfo`) and the length of the scheduler's waiting queue, read from Redis."""
+        assert self.redis is not None
+        ids = sorted(i.decode() for i in await self.redis.smembers(self.keys.workers))
+        pipe = self.redis.pipeline(transaction=False)
+        for wid in ids:
+            pipe.hget(self.keys.worker(wid), "info")
+            pipe.exists(self.keys.alive(wid))
+        pipe.get(self.keys.waiting)
+        *replies, waiting = await pipe.execute()
+        now = time.time()
+        workers = []
+        for raw, alive in zip(replies[::2], replies[1::2]):
+            info = decode(raw) if raw else None
+            if isinstance(info, WorkerInfo):
+                workers.append(FleetWorker(
+                    worker_id=info.worker_id, model=info.model, alive=bool(alive),
+                    draining=info.draining, num_free_blocks=info.num_free_blocks,
+                    num_total_blocks=info.num_total_blocks, block_size=info.block_size,
+                    num_running=info.num_running, max_model_len=info.max_model_len,
+                    heartbeat_age_s=max(0.0, now - info.heartbeat_at) if info.heartbeat_at else None))
+        return FleetStatus(model=self.model, num_waiting=int(waiting or 0), workers=workers)
+
     async def ready(self) -> tuple[bool, str]:
         assert self.redis is not None
         if not self.subscribed:
@@ -430,6 +455,34 @@ class Gateway:
                     self.max_model_len = info.max_model_len
                     return True, "ok"
         return False, f"no alive worker serves {self.model}"
+
+
+# Served without a key: probes, and the pages (which send the key the user types with each call).
+PUBLIC_PATHS = ("/healthz", "/readyz", "/", "/fleet")
+
+
+class FleetWorker(BaseModel):
+    """One worker in `GET /v1/fleet`: its last heartbeat (K/V blocks of `block_size` tokens)."""
+
+    worker_id: str
+    model: str
+    alive: bool = Field(description="its heartbeat key has not expired")
+    draining: bool
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    num_running: int = Field(description="requests in its engine")
+    max_model_len: int
+    heartbeat_age_s: float | None = Field(description="seconds since its last heartbeat")
+
+
+class FleetStatus(BaseModel):
+    """`GET /v1/fleet`: what the scheduler places requests by."""
+
+    object: Literal["fleet"] = "fleet"
+    model: str
+    num_waiting: int = Field(description="requests waiting in the scheduler's queue")
+    workers: list[FleetWorker]
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
@@ -473,7 +526,7 @@ class GatewaySettings:
 
     api_keys: tuple[str, ...] = ()
     max_overflow_windows: int = 8
-    public_paths: tuple[str, ...] = ("/healthz", "/readyz")
+    public_paths: tuple[str, ...] = PUBLIC_PATHS
     max_waiting: int = 1024
     max_body_bytes: int = 4 << 20
     retry_after_s: int = 1
@@ -513,6 +566,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
     app = FastAPI(title="shoal gateway", lifespan=lifespan)
     app.state.gateway = gw
 
+    app.include_router(pages_router(gw.fleet, FleetStatus, _errors))
     app.include_router(jobs_router(redis_url, prefix,
                                    {"completions": CompletionRequest, "chat": ChatRequest},
                                    APIError, _errors))

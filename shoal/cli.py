@@ -382,7 +382,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
 def _cmd_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from gateway.app import GatewaySettings, create_app
+    from gateway.app import PUBLIC_PATHS, GatewaySettings, create_app
     from shoal.model_files import resolve_model_path
 
     resolve_model_path(args.model)  # fail fast with a clear message
@@ -394,7 +394,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
                 keys += [line.strip() for line in f if line.strip() and not line.startswith("#")]
         except OSError as e:
             raise CLIError(f"cannot read --api-key-file: {e}") from e
-    public = ("/healthz", "/readyz") + (("/metrics",) if args.public_metrics else ())
+    public = PUBLIC_PATHS + (("/metrics",) if args.public_metrics else ())
     settings = GatewaySettings(api_keys=tuple(keys), public_paths=public,
                                max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
                                requests_per_minute=args.requests_per_minute,

@@ -234,6 +234,7 @@ class WorkerInfo(Message):
         draining: it takes no new requests (SIGTERM received).
         incarnation: random per process start; a worker restarted under the same id has a new
             one, so the scheduler knows the old process (and what it ran) is gone.
+        heartbeat_at: when the worker wrote this, Unix seconds (0 where unknown).
     """
 
     TYPE: ClassVar[str] = "worker_info"
@@ -247,6 +248,7 @@ class WorkerInfo(Message):
     num_running: int = 0
     draining: bool = False
     incarnation: str = ""
+    heartbeat_at: float = 0.0
 
 
 @dataclass(frozen=True)

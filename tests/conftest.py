@@ -115,6 +115,25 @@ def spawn_worker(fleet: dict, worker_id: str, kv_cache_bytes: int):
     return proc
 
 
+@contextlib.contextmanager
+def extra_gateway(fleet: dict, *args: str):
+    """A second gateway process in front of `fleet`, with extra command-line `args`; yields its
+    base URL."""
+    import subprocess
+
+    from shoal.fleet import free_port, shoal_command, stop_all, wait_ready
+
+    port = free_port()
+    proc = subprocess.Popen([*shoal_command(), "gateway", "--redis-url", fleet["redis"],
+                             "--port", str(port), *args])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, [proc], timeout_s=120)
+        yield url
+    finally:
+        stop_all([proc])
+
+
 @pytest.fixture(scope="session")
 def fleet():
     """The fleet most tests share. Tests that kill its parts use their own (test_failover.py)."""

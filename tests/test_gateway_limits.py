@@ -4,29 +4,21 @@ process in front of the shared test fleet."""
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 
 import httpx
 import pytest
 
-from shoal.fleet import free_port, shoal_command, stop_all, wait_ready
+from tests.conftest import extra_gateway
 
 KEY = "sk-test-7f3a9c"
 
 
 @pytest.fixture(scope="module")
 def guarded(fleet):
-    port = free_port()
-    proc = subprocess.Popen([*shoal_command(), "gateway", "--redis-url",
-                             fleet["redis"], "--port", str(port), "--api-key", KEY,
-                             "--max-waiting", "1", "--max-body-bytes", "20000"])
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, [proc], timeout_s=120)
+    with extra_gateway(fleet, "--api-key", KEY, "--max-waiting", "1",
+                       "--max-body-bytes", "20000") as url:
         yield url
-    finally:
-        stop_all([proc])
 
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -42,6 +34,10 @@ def test_api_keys(guarded):
     assert httpx.get(guarded + "/metrics").status_code == 401
     assert httpx.get(guarded + "/healthz").status_code == 200
     assert httpx.get(guarded + "/readyz").status_code == 200
+    for page in ("/", "/fleet"):  # the pages are public; the data they read is not
+        assert httpx.get(guarded + page).status_code == 200
+    assert httpx.get(guarded + "/v1/fleet").status_code == 401
+    assert httpx.get(guarded + "/v1/fleet", headers=AUTH).json()["workers"][0]["worker_id"] == "w0"
     r = httpx.post(guarded + "/v1/completions", json=body, headers=AUTH, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
@@ -124,14 +120,8 @@ def test_overload_gets_429_with_retry_after(guarded, fleet):
 
 
 def test_per_key_request_and_token_limits(fleet):
-    port = free_port()
-    proc = subprocess.Popen([*shoal_command(), "gateway", "--redis-url",
-                             fleet["redis"], "--port", str(port), "--api-key", "key-a",
-                             "--api-key", "key-b", "--requests-per-minute", "2",
-                             "--tokens-per-minute", "60"])
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, [proc], timeout_s=120)
+    with extra_gateway(fleet, "--api-key", "key-a", "--api-key", "key-b",
+                       "--requests-per-minute", "2", "--tokens-per-minute", "60") as url:
         if time.time() % 60 > 45:  # keep the test inside one fixed one-minute window
             time.sleep(61 - time.time() % 60)
 
@@ -147,5 +137,3 @@ def test_per_key_request_and_token_limits(fleet):
         assert third.status_code == 429 and third.headers["retry-after"] == "1"
         assert third.json()["error"]["type"] == "rate_limit_error"
         assert post("key-b").status_code == 200  # budgets are per key
-    finally:
-        stop_all([proc])

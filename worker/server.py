@@ -55,7 +55,7 @@ class WorkerServer:
         e = self.engine
         return WorkerInfo(self.worker_id, self.model, e.num_total_blocks, e.num_free_blocks,
                           e.block_size, e.cfg.max_num_seqs, e.max_model_len, len(e.running),
-                          self._draining.is_set(), self.incarnation)
+                          self._draining.is_set(), self.incarnation, time.time())
 
     def _heartbeat(self, r: redis.Redis) -> None:
         info = encode(self.info())
