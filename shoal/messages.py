@@ -47,7 +47,15 @@ class Message:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Message:
-        return cls(**d)
+        return cls(**cls.known_fields(d))
+
+    @classmethod
+    def known_fields(cls, d: dict[str, Any]) -> dict[str, Any]:
+        """`d` without the fields this build does not know. A newer build may add a field with a
+        default without bumping PROTOCOL_VERSION; older readers ignore it, so a fleet can be
+        upgraded one process at a time."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return {k: v for k, v in d.items() if k in names}
 
 
 def _to_plain(v: Any) -> Any:
@@ -83,8 +91,8 @@ def decode(data: bytes) -> Message:
         raise ProtocolError(f"unknown message type {kind!r}")
     try:
         return cls.from_dict(body)
-    except (TypeError, ValueError) as e:
-        raise ProtocolError(f"bad {kind} message: {e}") from e
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise ProtocolError(f"bad {kind} message: {e!r}") from e
 
 
 @dataclass(frozen=True)
@@ -108,7 +116,7 @@ class NewRequest(Message):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> NewRequest:
-        return cls(**{**d, "params": SamplingParams.from_dict(d["params"])})
+        return cls(**{**cls.known_fields(d), "params": SamplingParams.from_dict(d["params"])})
 
 
 @dataclass(frozen=True)
@@ -134,7 +142,7 @@ class IterationPlan(Message):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> IterationPlan:
-        return cls(**{**d, "admit": [NewRequest.from_dict(a) for a in d["admit"]]})
+        return cls(**{**cls.known_fields(d), "admit": [NewRequest.from_dict(a) for a in d["admit"]]})
 
 
 @dataclass(frozen=True)
@@ -187,7 +195,7 @@ class IterationResult(Message):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> IterationResult:
-        return cls(**{**d, "outputs": [TokenOutput.from_dict(o) for o in d["outputs"]]})
+        return cls(**{**cls.known_fields(d), "outputs": [TokenOutput.from_dict(o) for o in d["outputs"]]})
 
 
 @dataclass(frozen=True)
@@ -216,7 +224,7 @@ class RequestSubmission(Message):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RequestSubmission:
-        return cls(**{**d, "params": SamplingParams.from_dict(d["params"])})
+        return cls(**{**cls.known_fields(d), "params": SamplingParams.from_dict(d["params"])})
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ worker/.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -90,4 +91,7 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
-        return cls(**d)
+        """Inverse of `to_dict`; fields this build does not know are ignored (as in
+        `shoal.messages.Message.known_fields`)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
