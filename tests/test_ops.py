@@ -133,13 +133,16 @@ def test_topk_rows(dtype):
     assert torch.equal(ops.topk_rows(x, 1, kernels=True)[0][:, 0], x.float().max(dim=-1).values)
 
 
-def test_packed_linear_matches_f_linear():
+@pytest.mark.parametrize("dtype,bound", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+def test_packed_linear_matches_f_linear(dtype, bound):
     g = torch.Generator().manual_seed(7)
-    w = (torch.randn(96, 64, generator=g) * 0.1).to(torch.bfloat16)
+    w = (torch.randn(96, 64, generator=g) * 0.1).to(dtype)
     lin = Linear(w)
+    if torch.backends.mkldnn.is_available():
+        assert lin.packed is not None and lin.weight is None  # the packed path is what ran
     for rows in (1, 5, 64, 300):
-        x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
-        assert rel(lin(x), torch.nn.functional.linear(x, w)) <= 1e-2
+        x = torch.randn(rows, 64, generator=g).to(dtype)
+        assert rel(lin(x), torch.nn.functional.linear(x, w)) <= bound
 
 
 def test_int8_linear_is_used_for_few_rows_only():
