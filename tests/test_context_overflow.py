@@ -114,16 +114,17 @@ def test_shift_moves_keys_exactly_where_reevaluate_recomputes_them(fp32_model, t
     assert checked == [96]
 
 
-# Measured on 600 tokens of the text with a 128-token window (float32): relative L2 difference
-# of the next-token logits median 0.10, max 2.08; total variation between the two distributions
-# median 0.09, max 0.83; same argmax at 84% of steps. Shift keeps K/V computed with the tokens
+# Measured on 2,000 tokens of the text with a 256-token window (float32): relative L2 difference
+# of the next-token logits median 0.070, p99 0.56, max 1.67; total variation between the two
+# distributions median 0.069, max 0.62; same argmax at 91% of steps; perplexity shift 22.06,
+# reevaluate 21.87, sliding window without sinks 38.18. Shift keeps K/V computed with the tokens
 # since dropped, reevaluate recomputes them without: they are two different approximations, and
-# right after an overflow they may disagree on single tokens. The bounds below hold both to that.
-LOGITS_REL_MAX, TV_MEDIAN_MAX, ARGMAX_AGREEMENT_MIN = 3.0, 0.15, 0.75
+# right after an overflow they may disagree on single tokens. The bounds hold both to that.
+LOGITS_REL_MAX, TV_MEDIAN_MAX, ARGMAX_AGREEMENT_MIN, PERPLEXITY_GAP_MAX = 2.5, 0.10, 0.85, 0.05
 
 
 def test_shift_and_reevaluate_agree_and_sinks_beat_a_sliding_window(fp32_model, text_ids):
-    n, window = 600, 128
+    n, window = 2000, 256
     engine = make_engine(fp32_model, max_model_len=window, block_size=16)
     rel, tv, agree = [], [], 0
     nll = {"shift": 0.0, "reevaluate": 0.0, "window": 0.0}
@@ -149,4 +150,4 @@ def test_shift_and_reevaluate_agree_and_sinks_beat_a_sliding_window(fp32_model, 
     assert sorted(tv)[len(tv) // 2] <= TV_MEDIAN_MAX
     assert agree / len(rel) >= ARGMAX_AGREEMENT_MIN
     assert ppl["shift"] < ppl["window"] and ppl["reevaluate"] < ppl["window"]
-    assert abs(ppl["shift"] - ppl["reevaluate"]) / ppl["reevaluate"] < 0.25
+    assert abs(ppl["shift"] - ppl["reevaluate"]) / ppl["reevaluate"] < PERPLEXITY_GAP_MAX
