@@ -8,6 +8,7 @@ never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -25,6 +26,12 @@ def _positive_int(s: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
     return v
+
+
+def _add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
+                   help="split each layer over N ranks (local processes; gloo on the CPU, NCCL "
+                        "on CUDA); N must divide the model's query and K/V heads")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -78,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="past the window (--max-model-len): stop, or keep --n-keep tokens and "
                         "drop half the rest, recomputing (reevaluate) or rotating keys (shift)")
     g.add_argument("--n-keep", type=int, default=4, help="tokens kept at the start (sinks)")
+    _add_tensor_parallel_arg(g)
     g.add_argument("prompt", help="the prompt text")
 
     b = sub.add_parser("bench", help="benchmarks")
@@ -94,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--worker-id", default=None)
     w.add_argument("--prefix", default="shoal", help="Redis key prefix")
     w.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0 = off)")
+    _add_tensor_parallel_arg(w)
 
     s = sub.add_parser("scheduler", help="the central scheduler process")
     s.add_argument("--redis-url", required=True)
@@ -148,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight-only int8 for small iterations in every worker")
     u.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="every worker's attention backend (auto: triton on CUDA, else torch)")
+    _add_tensor_parallel_arg(u)
     u.add_argument("--policy", choices=POLICIES, default="reserve", help="the scheduler's policy")
     u.add_argument("--jobs", action="store_true",
                    help="also start a Celery worker for batch jobs (/v1/jobs)")
@@ -239,14 +249,43 @@ def _engine_config(args: argparse.Namespace):
         raise CLIError(str(e)) from e
 
 
-def _load_engine(path, cfg):
-    """The engine, with a model or budget problem turned into a one-line CLI error."""
+@contextlib.contextmanager
+def _engine(path, cfg, args: argparse.Namespace):
+    """The engine, with a model or budget problem turned into a one-line CLI error. With
+    `--tensor-parallel-size N` above 1 it is rank 0 of a group whose other ranks are local
+    processes (worker/parallel.py), stopped on exit; yields `(engine, group or None)`."""
     from worker.engine import Engine
 
+    size = getattr(args, "tensor_parallel_size", 1)
+    if size == 1:
+        try:
+            yield Engine.from_path(path, cfg), None
+        except ValueError as e:  # unsupported architecture or quant type, K/V budget too small
+            raise CLIError(str(e)) from e
+        return
+    import torch
+
+    from worker.parallel import load_shard, rank_threads, start_group
+
+    threads = rank_threads(args.threads, size)
+    torch.set_num_threads(threads)
     try:
-        return Engine.from_path(path, cfg)
-    except ValueError as e:  # unsupported architecture or quant type, K/V budget too small
+        group = start_group(size, path, cfg, threads)
+    except ValueError as e:  # the size does not divide the model
         raise CLIError(str(e)) from e
+    engine = None
+    try:
+        model_cfg, weights = load_shard(path, cfg.dtype, group.tp)
+        try:
+            engine = Engine(model_cfg, weights, cfg, tp=group.tp)
+        except ValueError as e:
+            raise CLIError(str(e)) from e
+        del weights
+        yield engine, group
+    finally:
+        if engine is not None and group.alive():
+            engine.model.stop_followers()
+        group.stop()
 
 
 def _set_threads(args: argparse.Namespace) -> None:
@@ -281,17 +320,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             return_dict=True)["input_ids"])
     else:
         ids = tokenizer.encode(args.prompt, add_special_tokens=False)
-    engine = _load_engine(path, cfg)
     detok = IncrementalDetokenizer(tokenizer)
-    try:
-        for out in stream(engine, [NewRequest("generate-0", ids, params)]):
-            if out.error:
-                raise CLIError(out.error)
-            if out.token_id is not None:
-                sys.stdout.write(detok.add(out.token_id))
-                sys.stdout.flush()
-    except ValueError as e:  # the request can never fit in the K/V cache
-        raise CLIError(str(e)) from e
+    with _engine(path, cfg, args) as (engine, _):
+        try:
+            for out in stream(engine, [NewRequest("generate-0", ids, params)]):
+                if out.error:
+                    raise CLIError(out.error)
+                if out.token_id is not None:
+                    sys.stdout.write(detok.add(out.token_id))
+                    sys.stdout.flush()
+        except ValueError as e:  # the request can never fit in the K/V cache
+            raise CLIError(str(e)) from e
     sys.stdout.write(detok.flush() + "\n")
     return 0
 
@@ -329,9 +368,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from worker.bench import run_engine_bench
 
     t0 = time.perf_counter()
-    engine = _load_engine(path, cfg)
-    run_engine_bench(path, engine, time.perf_counter() - t0, quick=args.quick,
-                     baseline=not args.no_baseline, output=args.output, seed=args.seed)
+    with _engine(path, cfg, args) as (engine, _):
+        run_engine_bench(path, engine, time.perf_counter() - t0, quick=args.quick,
+                         baseline=not args.no_baseline, output=args.output, seed=args.seed)
     return 0
 
 
@@ -360,11 +399,22 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from worker.metrics import MODEL_LOAD_SECONDS
 
     t0 = time.perf_counter()
-    engine = _load_engine(path, cfg)
-    MODEL_LOAD_SECONDS.set(time.perf_counter() - t0)
-    serve_metrics(args.metrics_port)
-    settings = WorkerSettings(args.redis_url, args.worker_id or default_worker_id(), prefix=args.prefix)
-    return WorkerServer(engine, path, settings).run()
+    with _engine(path, cfg, args) as (engine, group):
+        MODEL_LOAD_SECONDS.set(time.perf_counter() - t0)
+        serve_metrics(args.metrics_port)
+        settings = WorkerSettings(args.redis_url, args.worker_id or default_worker_id(),
+                                  prefix=args.prefix)
+        server = WorkerServer(engine, path, settings)
+        if group is None:
+            return server.run()
+        from worker.parallel import watch_followers
+
+        watch_followers(group, server.fail)
+        try:
+            return server.run()
+        except RuntimeError as e:  # a collective failed: a rank is gone
+            server.fail(f"a tensor-parallel collective failed ({e})")
+            return 1
 
 
 def _cmd_scheduler(args: argparse.Namespace) -> int:
@@ -409,7 +459,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from shoal.fleet import up
 
     worker_args = ["--dtype", args.dtype, "--quantization", args.quantization,
-                   "--attention-backend", args.attention_backend]
+                   "--attention-backend", args.attention_backend,
+                   "--tensor-parallel-size", str(args.tensor_parallel_size)]
     for flag, value in (("--model", args.model), ("--kv-cache-bytes", args.kv_cache_bytes),
                         ("--max-model-len", args.max_model_len), ("--threads", args.threads)):
         if value is not None:

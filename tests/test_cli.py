@@ -43,6 +43,7 @@ def test_bad_arguments_fail_clearly(tmp_path):
         (["generate", "--kv-cache-memory-fraction", "1.5", "hi"], "kv_cache_memory_fraction"),
         (["generate", "--kv-cache-bytes", "1000", "hi"], "K/V"),
         (["generate", "--device", "tpu", "hi"], "device"),
+        (["generate", "--tensor-parallel-size", "2", "hi"], "must divide"),
         (["generate", "--attention-backend", "triton", "--block-size", "8", "hi"], "power of two"),
     ]:
         r = _shoal(*args)

@@ -85,29 +85,50 @@ class Engine:
         weights: its tensors (worker.loader), already in `cfg.dtype`.
         cfg: engine knobs.
         keep_logits: keep each iteration's logits in `last_logits` (tests compare them).
+        tp: rank 0 of a tensor-parallel group (worker.parallel), whose followers run every
+            forward pass with it; `model_cfg` and `weights` are then rank 0's shard, and
+            `--kv-cache-bytes` is each rank's budget for its K/V heads.
     """
 
     def __init__(
         self, model_cfg: ModelConfig, weights: dict[str, torch.Tensor], cfg: EngineConfig,
-        keep_logits: bool = False,
+        keep_logits: bool = False, tp=None,
     ) -> None:
         self.model_cfg = model_cfg
         self.cfg = cfg
-        self.max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings,
-                                 model_cfg.max_position_embeddings)
-        self.model = LlamaModel(model_cfg, weights, self.max_model_len, cfg.quantization,
-                                 cfg.fast_paths, cfg.device or default_device(),
-                                 cfg.attention_backend)
+        self.max_model_len, self.model, self.kv_cache = self.build_parts(model_cfg, weights, cfg,
+                                                                         tp)
+        if tp is not None and tp.world_size > 1:
+            from worker.parallel import TensorParallelLeader
+
+            self.model = TensorParallelLeader(self.model)
         self.device = self.model.device
-        self.model.attention.check(cfg.block_size, model_cfg.head_dim)
-        num_blocks = KVCache.num_blocks_for(model_cfg, cfg.block_size, cfg.dtype,
-                                            cfg.kv_cache_bytes, cfg.kv_cache_memory_fraction,
-                                            self.device)
-        self.kv_cache = KVCache(model_cfg, num_blocks, cfg.block_size, cfg.dtype, self.device)
         self.sampler = Sampler()
         self.running: dict[str, Sequence] = {}
         self.keep_logits = keep_logits
         self.last_logits: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def build_parts(model_cfg: ModelConfig, weights: dict[str, torch.Tensor], cfg: EngineConfig,
+                    tp=None) -> tuple[int, LlamaModel, KVCache]:
+        """The context window (tokens), the model and the K/V cache an engine runs; a
+        tensor-parallel follower builds its own the same way.
+
+        Raises:
+            ValueError: a device, attention backend or block size that cannot serve.
+        """
+        max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings,
+                            model_cfg.max_position_embeddings)
+        model = LlamaModel(model_cfg, weights, max_model_len, cfg.quantization, cfg.fast_paths,
+                           cfg.device or default_device(), cfg.attention_backend, tp)
+        model.attention.check(cfg.block_size, model_cfg.head_dim)
+        num_blocks = KVCache.num_blocks_for(model_cfg, cfg.block_size, cfg.dtype,
+                                            cfg.kv_cache_bytes, cfg.kv_cache_memory_fraction,
+                                            model.device)
+        if tp is not None:
+            num_blocks = tp.agree_min(num_blocks)  # every rank's pools hold the same blocks
+        return max_model_len, model, KVCache(model_cfg, num_blocks, cfg.block_size, cfg.dtype,
+                                             model.device)
 
     @classmethod
     def from_path(cls, path: Path, cfg: EngineConfig, **kw) -> Engine:
@@ -194,10 +215,7 @@ class Engine:
             s.num_computed_tokens = 0
         else:
             length = s.num_computed_tokens  # the newest token is not cached yet
-            for i in range(self.model_cfg.num_layers):
-                self.model.attention.shift_request_kv(self.kv_cache.k[i], self.kv_cache.v[i],
-                                                      s.block_table, keep, drop, length,
-                                                      self.model.cos_sin)
+            self.model.shift_request_kv(self.kv_cache, s.block_table, keep, drop, length)
             s.num_computed_tokens = length - drop
             self.kv_cache.truncate(s.block_table, s.num_computed_tokens)
         s.num_discarded += drop

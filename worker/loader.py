@@ -7,6 +7,7 @@ transformers (`model.layers.0.self_attn.q_proj.weight`, ...), in `nn.Linear` lay
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -45,13 +46,27 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
-def load_model(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
+Shard = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def read_model_config(path: Path) -> ModelConfig:
+    """A model's configuration alone, without reading its weights (errors as in `load_model`)."""
+    if path.is_dir():
+        return _hf_config(path)
+    return _gguf_config(_gguf_reader(path), path)
+
+
+def load_model(path: Path, dtype: torch.dtype, shard: Shard | None = None
+               ) -> tuple[ModelConfig, Weights]:
     """Read a model's configuration and weights.
 
     Args:
         path: a `.gguf` file or a Hugging Face model directory (`config.json`, `*.safetensors`).
         dtype: dtype of the returned weights (float32 or bfloat16; quantized GGUF tensors are
             dequantized to it).
+        shard: `(name, full float32 tensor) -> the part to keep`, applied to each tensor as it is
+            read, so that only one full tensor is in memory at a time (tensor parallelism:
+            `worker.parallel.TensorParallel.shard`). The configuration stays the full model's.
 
     Returns:
         The model configuration and its weights keyed by Hugging Face names.
@@ -64,8 +79,8 @@ def load_model(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
     if not path.exists():
         raise ModelNotFoundError(f"model path does not exist: {path}")
     if path.is_dir():
-        return _load_hf_dir(path, dtype)
-    return _load_gguf(path, dtype)
+        return _load_hf_dir(path, dtype, shard)
+    return _load_gguf(path, dtype, shard)
 
 
 def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -79,14 +94,16 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, out // n_head // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
+def _gguf_reader(path: Path):
     import gguf
 
     try:
-        reader = gguf.GGUFReader(str(path))
+        return gguf.GGUFReader(str(path))  # memory-maps the file: tensors are read on access
     except Exception as e:  # gguf raises ValueError/struct errors on a bad file
         raise ModelNotFoundError(f"not a readable GGUF file: {path} ({e})") from e
 
+
+def _gguf_config(reader, path: Path) -> ModelConfig:
     def field(key: str, default=None):
         f = reader.fields.get(key)
         return default if f is None else f.contents()
@@ -102,7 +119,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
     names = {t.name for t in reader.tensors}
     tokens = field("tokenizer.ggml.tokens")
     vocab = int(field(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
-    cfg = ModelConfig(
+    return ModelConfig(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(field(f"{arch}.feed_forward_length")),
@@ -117,6 +134,12 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
         eos_token_id=_opt_int(field("tokenizer.ggml.eos_token_id")),
     )
 
+
+def _load_gguf(path: Path, dtype: torch.dtype, shard: Shard | None) -> tuple[ModelConfig, Weights]:
+    import gguf
+
+    reader = _gguf_reader(path)
+    cfg = _gguf_config(reader, path)
     weights: Weights = {}
     for t in reader.tensors:
         try:
@@ -132,11 +155,12 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
         if name is None:
             continue  # e.g. rope_freqs, which plain Llama does not use
         if name.endswith("q_proj.weight"):
-            arr = _unpermute_rope(arr, n_head)
+            arr = _unpermute_rope(arr, cfg.num_heads)
         elif name.endswith("k_proj.weight"):
-            arr = _unpermute_rope(arr, n_kv)
+            arr = _unpermute_rope(arr, cfg.num_kv_heads)
         # The arrays are read-only views of a memory map: copy before handing them to torch.
-        weights[name] = torch.from_numpy(np.array(arr, copy=True)).to(dtype)
+        w = torch.from_numpy(np.array(arr, copy=True))
+        weights[name] = (shard(name, w) if shard else w).to(dtype)
     _check_complete(cfg, weights, path)
     return cfg, weights
 
@@ -155,9 +179,7 @@ def _opt_int(v) -> int | None:
     return None if v is None else int(v)
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
-    from safetensors.torch import load_file
-
+def _hf_config(path: Path) -> ModelConfig:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelNotFoundError(f"model directory has no config.json: {path}")
@@ -168,15 +190,12 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
             f"unsupported architecture {archs or c.get('model_type')!r} in {config_file}; "
             f"supported: {HF_LLAMA_ARCHITECTURES}"
         )
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelNotFoundError(f"model directory has no *.safetensors files: {path}")
     rope = c.get("rope_parameters") or {}
     if (rope.get("rope_type") or "default") != "default" or c.get("rope_scaling"):
         raise UnsupportedModelError(f"RoPE scaling is not supported ({path})")
     n_head = int(c["num_attention_heads"])
     eos = c.get("eos_token_id")
-    cfg = ModelConfig(
+    return ModelConfig(
         vocab_size=int(c["vocab_size"]),
         hidden_size=int(c["hidden_size"]),
         intermediate_size=int(c["intermediate_size"]),
@@ -190,10 +209,21 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
     )
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype, shard: Shard | None) -> tuple[ModelConfig, Weights]:
+    from safetensors import safe_open
+
+    cfg = _hf_config(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"model directory has no *.safetensors files: {path}")
     weights: Weights = {}
     for f in files:
-        for name, t in load_file(str(f)).items():
-            weights[name] = t.to(dtype)
+        with safe_open(str(f), framework="pt") as st:  # one tensor in memory at a time
+            for name in st.keys():
+                t = st.get_tensor(name)
+                weights[name] = (shard(name, t) if shard else t).to(dtype)
     if "lm_head.weight" not in weights and not cfg.tie_word_embeddings:
         raise ModelNotFoundError(f"lm_head.weight missing and embeddings not tied: {path}")
     if cfg.tie_word_embeddings:

@@ -55,6 +55,9 @@ class LlamaModel:
         fast_paths: C++ kernels and prepacked weights where available (else the torch reference).
         device: where the weights live and the model runs.
         attention_backend: "auto", "torch" or "triton" (worker.attention.make_backend).
+        tp: this rank's place in a tensor-parallel group (worker.parallel), or None. `cfg` and
+            `weights` are then the rank's shard; the row-parallel O and down projections are
+            summed over the group.
 
     Raises:
         ValueError: an attention backend that cannot run here.
@@ -64,8 +67,10 @@ class LlamaModel:
 
     def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int,
                  quantization: str = "none", fast_paths: bool = True,
-                 device: torch.device | str = "cpu", attention_backend: str = "auto") -> None:
+                 device: torch.device | str = "cpu", attention_backend: str = "auto",
+                 tp=None) -> None:
         self.cfg = cfg
+        self.tp = tp
         self.device = torch.device(device)
         if self.device.type != "cpu":
             weights = {name: w.to(self.device) for name, w in weights.items()}
@@ -129,11 +134,25 @@ class LlamaModel:
                                        k.view(n, cfg.num_kv_heads, cfg.head_dim),
                                        v.view(n, cfg.num_kv_heads, cfg.head_dim),
                                        kv_cache.k[i], kv_cache.v[i], meta, self.scale)
-            h = ops.add_rms_norm(x, layer.o(a), layer.mlp_norm, eps, dt, kern)
+            o = layer.o(a)
+            if self.tp is not None:
+                self.tp.all_reduce(o)  # row-parallel: the ranks' partial sums
+            h = ops.add_rms_norm(x, o, layer.mlp_norm, eps, dt, kern)
             delta = layer.down(ops.silu_and_mul(layer.gate_up(h), kern))
+            if self.tp is not None:
+                self.tp.all_reduce(delta)
         if delta is not None:
             x += delta
         return x
+
+    @torch.inference_mode()
+    def shift_request_kv(self, kv_cache: KVCache, block_table: list[int], keep: int,
+                         discard: int, length: int) -> None:
+        """Drop cached positions `[keep, keep + discard)` of one request in every layer, moving
+        the later ones down with their keys rotated (`AttentionBackend.shift_request_kv`)."""
+        for i in range(self.cfg.num_layers):
+            self.attention.shift_request_kv(kv_cache.k[i], kv_cache.v[i], block_table, keep,
+                                            discard, length, self.cos_sin)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

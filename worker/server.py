@@ -80,6 +80,17 @@ class WorkerServer:
                     self.keys.plans(self.worker_id))
         pipe.execute()
 
+    def fail(self, reason: str) -> None:
+        """Leave the fleet at once and end the process with status 1: the engine cannot serve
+        any more (a tensor-parallel rank died). Deregistering makes the scheduler notice now,
+        not when the heartbeat expires, and move this worker's requests elsewhere."""
+        log.error("worker %s failed: %s; leaving the fleet", self.worker_id, reason)
+        self._stopped.set()
+        with contextlib.suppress(redis.RedisError):
+            self._deregister()
+        logging.shutdown()
+        os._exit(1)  # from any thread: the main one may be blocked in a collective
+
     def drain(self, *_: object) -> None:
         """Stop taking new requests; the loop exits once the running ones are done."""
         self._draining.set()
