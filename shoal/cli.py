@@ -265,7 +265,7 @@ def _engine(path, cfg, args: argparse.Namespace):
         return
     import torch
 
-    from worker.parallel import load_shard, rank_threads, start_group
+    from worker.parallel import load_shard, rank_config, rank_threads, start_group
 
     threads = rank_threads(args.threads, size)
     torch.set_num_threads(threads)
@@ -277,7 +277,7 @@ def _engine(path, cfg, args: argparse.Namespace):
     try:
         model_cfg, weights = load_shard(path, cfg.dtype, group.tp)
         try:
-            engine = Engine(model_cfg, weights, cfg, tp=group.tp)
+            engine = Engine(model_cfg, weights, rank_config(cfg, 0), tp=group.tp)
         except ValueError as e:
             raise CLIError(str(e)) from e
         del weights

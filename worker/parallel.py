@@ -116,9 +116,20 @@ def _divisors(cfg: ModelConfig) -> list[int]:
             and cfg.intermediate_size % n == 0]
 
 
+def rank_config(cfg: EngineConfig, rank: int) -> EngineConfig:
+    """`cfg` for one rank: on CUDA each rank has a GPU of its own (`cuda:<rank>`)."""
+    from worker.config import default_device
+
+    if (cfg.device or default_device()).startswith("cuda"):
+        return dataclasses.replace(cfg, device=f"cuda:{rank}")
+    return cfg
+
+
 def init_group(rank: int, world_size: int, init_method: str, device: str = "cpu") -> TensorParallel:
     """Join the group (gloo on the CPU, NCCL on CUDA) and return this rank's place in it."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(device))
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=COLLECTIVE_TIMEOUT)
     return TensorParallel(rank, world_size)
@@ -161,6 +172,7 @@ def follower_main(rank: int, world_size: int, init_method: str, path: str, cfg: 
     from worker.engine import Engine
 
     torch.set_num_threads(threads)
+    cfg = rank_config(cfg, rank)
     tp = init_group(rank, world_size, init_method, cfg.device or "cpu")
     model_cfg, weights = load_shard(Path(path), cfg.dtype, tp)
     _, model, kv_cache = Engine.build_parts(model_cfg, weights, cfg, tp)
@@ -232,7 +244,8 @@ def start_group(world_size: int, path: Path, cfg: EngineConfig, threads: int) ->
                  for r in range(1, world_size)]
     for p in followers:
         p.start()
-    return Group(init_group(0, world_size, init_method, cfg.device or "cpu"), followers)
+    return Group(init_group(0, world_size, init_method, rank_config(cfg, 0).device or "cpu"),
+                 followers)
 
 
 def watch_followers(group: Group, on_death: Callable[[str], None], interval_s: float = 0.5) -> None:
