@@ -194,6 +194,7 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
     table.add_row("prefill tokens/s", f"{prefill:.0f}")
     table.add_row("quantization", cfg.quantization)
     table.add_row("C++ kernels", "yes" if engine.model.kernels else "no (torch path)")
+    table.add_row("attention backend", engine.model.attention.name)
     table.add_row("model load, kernel build included (s)", f"{load_s:.1f}")
     table.add_row("K/V blocks", f"{engine.num_total_blocks} x {cfg.block_size} tokens")
     table.add_row("peak resident memory (MiB)", f"{peak_rss / 2**20:.0f}")
@@ -205,7 +206,8 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
         "shoal": ours, "transformers_static_batch8": base,
         "decode_tokens_per_s": decode, "single_stream_decode_tokens_per_s": single,
         "quantization": cfg.quantization, "perplexity": quality,
-        "cpu_kernels": engine.model.kernels, "prefill_tokens_per_s": prefill,
+        "cpu_kernels": engine.model.kernels, "attention_backend": engine.model.attention.name,
+        "prefill_tokens_per_s": prefill,
         "model_load_seconds": load_s, "peak_rss_bytes": peak_rss,
     }
     out = Path(output)

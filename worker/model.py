@@ -4,7 +4,7 @@ The input of an iteration is one flat batch: token ids `[num_tokens]` and positi
 holding the new tokens of every request, decodes and prefill chunks mixed, with no padding and no
 batch dimension. Embedding, RMSNorm, the fused QKV / gate-up / down / output projections, RoPE and
 SiLU run once over `[num_tokens, hidden]`; only attention splits by request
-(`worker.attention.paged_attention`). The LM head runs on the rows that sample.
+(`worker.attention.AttentionBackend.forward`). The LM head runs on the rows that sample.
 
 Numerics in bfloat16. Matmuls take bfloat16 inputs, but the residual stream, RMSNorm and the SwiGLU
 product stay in float32: with SwiGLU computed in bfloat16 the SmolLM2 logits were 4% off float32
