@@ -458,7 +458,7 @@ class Gateway:
 
 
 # Served without a key: probes, and the pages (which send the key the user types with each call).
-PUBLIC_PATHS = ("/healthz", "/readyz", "/", "/fleet")
+PUBLIC_PATHS = ("/healthz", "/readyz", "/", "/fleet", "/shoal.css")
 
 
 class FleetWorker(BaseModel):

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, Response
 
 STATIC = Path(__file__).parent / "static"
 
@@ -42,6 +42,10 @@ def pages_router(fleet: Callable[[], Awaitable[Any]], fleet_model: type,
     @router.get("/fleet", response_class=HTMLResponse, include_in_schema=False)
     async def fleet_page():
         return page("fleet.html")
+
+    @router.get("/shoal.css", include_in_schema=False)
+    async def stylesheet():
+        return Response((STATIC / "shoal.css").read_text(encoding="utf-8"), media_type="text/css")
 
     @router.get("/v1/fleet", response_model=fleet_model, responses=errors(401, 503))
     async def fleet_status():

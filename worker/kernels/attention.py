@@ -26,6 +26,28 @@ import triton.language as tl
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
+def _attend_block(q, kt, v, visible, scale, m, l_sum, acc, IEEE: tl.constexpr):
+    """One block of the online softmax: scores `q @ kt` where `visible`, the running max `m` and
+    sum `l_sum` updated, the output accumulator `acc` rescaled and added `p @ v` to."""
+    s = tl.where(visible, _dot(q, kt, IEEE) * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return m_new, l_sum, acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
     stride_qn, stride_qh,
@@ -53,22 +75,9 @@ def _decode_kernel(
     for j in range(0, tl.cdiv(length, BS)):
         block = tl.load(tables_ptr + r * stride_tn + j)
         kt = tl.load(k_ptr + h * stride_kh + block * stride_kb + d[:, None] * stride_kd + t[None, :])
-        if IEEE:
-            s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
-        s = tl.where((j * BS + t)[None, :] < length, s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + h * stride_vh + block * stride_vb + t[:, None] * stride_vt + d[None, :])
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32),
-                                                input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, l_sum, acc = _attend_block(q, kt, v, (j * BS + t)[None, :] < length, scale, m, l_sum,
+                                      acc, IEEE)
     out = acc / l_sum[:, None]
     tl.store(out_ptr + r * stride_on + (h * GROUP + g)[:, None] * D + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -112,24 +121,11 @@ def _prefill_kernel(
         block = tl.load(tables_ptr + i * stride_tn + j)
         kt = tl.load(k_ptr + kv_head * stride_kh + block * stride_kb + d[:, None] * stride_kd
                      + t[None, :])
-        if IEEE:
-            s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
-        # Position 0 is visible to every query, so each row's max is finite after block 0.
-        s = tl.where((j * BS + t)[None, :] <= q_pos[:, None], s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + kv_head * stride_vh + block * stride_vb + t[:, None] * stride_vt
                     + d[None, :])
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32),
-                                                input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        # Position 0 is visible to every query, so each row's max is finite after block 0.
+        m, l_sum, acc = _attend_block(q, kt, v, (j * BS + t)[None, :] <= q_pos[:, None], scale,
+                                      m, l_sum, acc, IEEE)
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # an empty tile has l = 0 and no store
     tl.store(out_ptr + (start + rows)[:, None] * stride_on + h * D + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
