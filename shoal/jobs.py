@@ -17,7 +17,8 @@ if none did, and `cancelled` stays `cancelled`.
 
 Celery uses the same Redis with its own key prefix (`{prefix}:celery:`): tasks acknowledge late
 (after they ran), and a task whose worker died is delivered again once the broker's visibility
-timeout has passed (`SHOAL_JOBS_VISIBILITY_TIMEOUT`, seconds, default 300).
+timeout has passed (`SHOAL_JOBS_VISIBILITY_TIMEOUT`, seconds, default 300), found by a sweep every
+quarter of that timeout.
 """
 
 from __future__ import annotations
@@ -208,7 +209,12 @@ def make_celery(redis_url: str, prefix: str = "shoal"):
     visibility = int(os.environ.get("SHOAL_JOBS_VISIBILITY_TIMEOUT", "300"))
     app = Celery("shoal", broker=redis_url, backend=redis_url)
     app.conf.update(
-        broker_transport_options={"global_keyprefix": keyprefix, "visibility_timeout": visibility},
+        broker_transport_options={
+            "global_keyprefix": keyprefix, "visibility_timeout": visibility,
+            # kombu looks for unacknowledged tasks past their visibility timeout every interval x
+            # throttle seconds, 10 x 10 by default: a dead worker's tasks came back up to 100 s
+            # late (seen in tests/test_jobs.py). Sweep every quarter of the timeout instead.
+            "unacked_restore_interval": max(1, visibility // 4), "unacked_restore_throttle": 1},
         result_backend_transport_options={"global_keyprefix": keyprefix},
         task_acks_late=True,
         task_reject_on_worker_lost=True,
