@@ -7,7 +7,13 @@ import msgpack
 import pytest
 
 from shoal.messages import (
-    PROTOCOL_VERSION, IterationPlan, NewRequest, ProtocolError, WorkerInfo, decode, encode,
+    PROTOCOL_VERSION,
+    IterationPlan,
+    NewRequest,
+    ProtocolError,
+    WorkerInfo,
+    decode,
+    encode,
 )
 from shoal.sampling_params import SamplingParams
 
