@@ -1,8 +1,9 @@
 """The gateway's browser pages: a playground (`GET /`) and a live fleet view (`GET /fleet`), plus
 the JSON the fleet view polls (`GET /v1/fleet`).
 
-The pages are single static HTML files in gateway/static/ with inline CSS and JavaScript and no
-front-end dependencies: nothing to build, nothing fetched from elsewhere. The playground streams
+The pages are static HTML files in gateway/static/ with inline JavaScript and one shared
+stylesheet (`shoal.css`), and no front-end dependencies: nothing to build, nothing fetched from
+elsewhere. The playground streams
 over the WebSocket `/v1/stream` (the API key, if any, goes in its `api_key` query parameter,
 because browsers cannot set headers on a WebSocket); the fleet view polls `/v1/fleet` every second
 with the key as a Bearer token. The key lives in the page's sessionStorage only.
@@ -31,21 +32,21 @@ def pages_router(fleet: Callable[[], Awaitable[Any]], fleet_model: type,
     """
     router = APIRouter()
 
-    def page(name: str) -> HTMLResponse:
+    def static(name: str, media_type: str = "text/html") -> Response:
         # Read per request: the files are small and an edited page shows without a restart.
-        return HTMLResponse((STATIC / name).read_text(encoding="utf-8"))
+        return Response((STATIC / name).read_text(encoding="utf-8"), media_type=media_type)
 
     @router.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def playground():
-        return page("playground.html")
+        return static("playground.html")
 
     @router.get("/fleet", response_class=HTMLResponse, include_in_schema=False)
     async def fleet_page():
-        return page("fleet.html")
+        return static("fleet.html")
 
     @router.get("/shoal.css", include_in_schema=False)
     async def stylesheet():
-        return Response((STATIC / "shoal.css").read_text(encoding="utf-8"), media_type="text/css")
+        return static("shoal.css", "text/css")
 
     @router.get("/v1/fleet", response_model=fleet_model, responses=errors(401, 503))
     async def fleet_status():

@@ -259,9 +259,10 @@ def _engine(path, cfg, args: argparse.Namespace):
     size = getattr(args, "tensor_parallel_size", 1)
     if size == 1:
         try:
-            yield Engine.from_path(path, cfg), None
+            engine = Engine.from_path(path, cfg)
         except ValueError as e:  # unsupported architecture or quant type, K/V budget too small
             raise CLIError(str(e)) from e
+        yield engine, None  # errors of the caller's block are the caller's: not caught here
         return
     import torch
 

@@ -102,15 +102,14 @@ class AttentionMetadata:
         `[num_prefills, max_blocks]` (zero-padded), first rows, chunk lengths and cached lengths
         `[num_prefills]` (int64), and the longest chunk in tokens."""
         spans = self.prefills
-        width = max((len(s.block_table) for s in spans), default=0)
-        tables = torch.zeros((len(spans), width), dtype=torch.long)
-        for i, s in enumerate(spans):
-            tables[i, : len(s.block_table)] = s.block_table.cpu()
+        # The spans' tables already live on the device: pad them there (no host round trip).
+        tables = torch.nn.utils.rnn.pad_sequence([s.block_table for s in spans], batch_first=True)
+
         def column(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long).to(self.device)
 
-        return (tables.to(self.device), column([s.start for s in spans]),
-                column([s.end - s.start for s in spans]), column([s.num_cached for s in spans]),
+        return (tables, column([s.start for s in spans]), column([s.end - s.start for s in spans]),
+                column([s.num_cached for s in spans]),
                 max((s.end - s.start for s in spans), default=0))
 
 

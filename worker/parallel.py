@@ -251,10 +251,11 @@ def start_group(world_size: int, path: Path, cfg: EngineConfig, threads: int) ->
 def watch_followers(group: Group, on_death: Callable[[str], None], interval_s: float = 0.5) -> None:
     """Call `on_death(reason)` once, from a daemon thread, when a follower process exits."""
     import threading
+    import time
 
     def watch() -> None:
-        stop = threading.Event()
-        while not stop.wait(interval_s):
+        while True:
+            time.sleep(interval_s)
             for p in group.followers:
                 if not p.is_alive():
                     on_death(f"tensor-parallel {p.name} exited with code {p.exitcode}")
