@@ -54,9 +54,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="context window served (default: the model's)")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="torch threads (default: all cores)")
-    p.add_argument("--quantization", choices=["none", "int8"], default="none",
-                   help="int8: weight-only int8 matmuls for iterations of a few rows (faster "
-                        "single-stream decode; see docs/engine.md for its perplexity cost)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                   help="int8 / int4: weight-only quantized matmuls for iterations of a few rows "
+                        "(faster single-stream decode; int4 is GGUF Q4_1's scheme; see "
+                        "docs/engine.md for the perplexity cost)")
     p.add_argument("--device", default=None,
                    help="cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu)")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
@@ -66,6 +67,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 DEFAULT_HEALTH_URL = "http://127.0.0.1:8000/healthz"
 POLICIES = ["reserve", "ondemand", "request-level"]  # scheduler/core.py POLICIES
 ATTENTION_BACKENDS = ["auto", "torch", "triton"]  # worker/config.py ATTENTION_BACKENDS
+QUANTIZATIONS = ["none", "int8", "int4"]  # worker/config.py QUANTIZATIONS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,8 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--kv-cache-bytes", type=_positive_int, default=None)
     u.add_argument("--max-model-len", type=_positive_int, default=None)
     u.add_argument("--threads", type=_positive_int, default=None, help="torch threads per worker")
-    u.add_argument("--quantization", choices=["none", "int8"], default="none",
-                   help="weight-only int8 for small iterations in every worker")
+    u.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                   help="weight-only int8 or int4 for small iterations in every worker")
     u.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="every worker's attention backend (auto: triton on CUDA, else torch)")
     _add_tensor_parallel_arg(u)

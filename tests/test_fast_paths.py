@@ -14,7 +14,7 @@ from worker.loader import load_model
 from worker.offline import generate
 from worker.perplexity import REFERENCE_TEXT, decode_perplexity, reference_text, teacher_force
 
-INT8_PERPLEXITY_BOUND = 1.02  # int8 perplexity at most 2% above bfloat16's (docs/engine.md)
+PERPLEXITY_BOUND = 1.02  # int8 / int4 perplexity at most 2% above bfloat16's (docs/engine.md)
 
 
 @pytest.fixture(scope="module")
@@ -75,14 +75,16 @@ def test_bfloat16_fast_paths_are_as_close_to_float32_as_the_torch_path(fp32_mode
 
 
 @pytest.mark.skipif(not REFERENCE_TEXT.exists(), reason=f"{REFERENCE_TEXT} is not on this machine")
-def test_int8_is_deterministic_and_within_its_perplexity_bound(bf16_model, tokenizer):
-    once = _run(bf16_model, tokenizer, dtype=torch.bfloat16, quantization="int8")
-    again = _run(bf16_model, tokenizer, dtype=torch.bfloat16, quantization="int8")
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantization_is_deterministic_and_within_its_perplexity_bound(bf16_model, tokenizer,
+                                                                       quantization):
+    once = _run(bf16_model, tokenizer, dtype=torch.bfloat16, quantization=quantization)
+    again = _run(bf16_model, tokenizer, dtype=torch.bfloat16, quantization=quantization)
     assert once == again
     ids = tokenizer.encode(reference_text(), add_special_tokens=False)[:160]
     ppl = {q: decode_perplexity(make_engine(bf16_model, dtype=torch.bfloat16, quantization=q), ids)
-           for q in ("none", "int8")}
+           for q in ("none", quantization)}
     print(f"perplexity on {REFERENCE_TEXT} ({len(ids)} tokens): bfloat16 {ppl['none']:.3f}, "
-          f"int8 {ppl['int8']:.3f}")
+          f"{quantization} {ppl[quantization]:.3f}")
     assert 1.0 < ppl["none"] < 100.0  # a real model on real text, not noise
-    assert ppl["int8"] <= ppl["none"] * INT8_PERPLEXITY_BOUND
+    assert ppl[quantization] <= ppl["none"] * PERPLEXITY_BOUND

@@ -7,7 +7,7 @@ import torch
 
 from worker import cpu_ops, ops
 from worker.attention import build_metadata, decode_attention_reference, write_kv
-from worker.linear import INT8_MAX_ROWS, Linear, quantize_int8
+from worker.linear import QUANTIZED_MAX_ROWS, Linear, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the C++ kernels did not build here")
 
@@ -152,10 +152,36 @@ def test_int8_linear_is_used_for_few_rows_only():
     assert q.dtype == torch.int8 and q.abs().max() <= 127
     assert rel(q.float() * scale.float()[:, None], w) <= 1e-2
     lin = Linear(w, "int8")
-    small = torch.randn(INT8_MAX_ROWS, 64, generator=g).to(torch.bfloat16)
+    small = torch.randn(QUANTIZED_MAX_ROWS["int8"], 64, generator=g).to(torch.bfloat16)
     dequantized = torch.nn.functional.linear(small.float(), q.float() * scale.float()[:, None])
     assert rel(lin(small), dequantized) <= 1e-2
-    large = torch.randn(INT8_MAX_ROWS + 1, 64, generator=g).to(torch.bfloat16)
+    large = torch.randn(QUANTIZED_MAX_ROWS["int8"] + 1, 64, generator=g).to(torch.bfloat16)
     assert rel(lin(large), torch.nn.functional.linear(large, w)) <= 1e-2
     with pytest.raises(ValueError, match="quantization"):
-        Linear(w, "int4")
+        Linear(w, "int3")
+
+
+def test_int4_gives_back_q4_1_weights_and_serves_few_rows_only():
+    """Weights on a Q4_1 grid (per group of 32: min + d * q, q in [0, 15], both ends present,
+    as GGUF's quantizer leaves them) come back exactly; larger iterations use the plain weight."""
+    g = torch.Generator().manual_seed(9)
+    out_features, in_features = 96, 128
+    levels = torch.randint(0, 16, (out_features, in_features // 32, 32), generator=g)
+    levels[..., 0], levels[..., 1] = 0, 15
+    d = torch.rand(out_features, in_features // 32, 1, generator=g) * 0.01 + 1e-3
+    lo = -torch.rand(out_features, in_features // 32, 1, generator=g) * 0.05
+    w = (lo + d * levels).reshape(out_features, in_features)
+    packed, scales_zeros = quantize_int4(w)
+    assert scales_zeros.shape == (in_features // 32, out_features, 2)
+    lin = Linear(w, "int4")
+    small = torch.randn(QUANTIZED_MAX_ROWS["int4"], in_features, generator=g)
+    assert rel(lin(small), torch.nn.functional.linear(small, w)) <= 1e-5  # float32: exact grid
+    # Off the grid, 4 bits err by a few percent: that tells which weight served which rows.
+    wb = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
+    lin = Linear(wb, "int4")
+    small = small.to(torch.bfloat16)
+    assert 1e-2 < rel(lin(small), torch.nn.functional.linear(small, wb)) < 0.2
+    large = torch.randn(QUANTIZED_MAX_ROWS["int4"] + 1, in_features, generator=g).to(torch.bfloat16)
+    assert rel(lin(large), torch.nn.functional.linear(large, wb)) <= 1e-2
+    with pytest.raises(ValueError, match="int4 needs"):
+        Linear(w[:, :100], "int4")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, for iterations of a few rows (worker.linear)
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,8 @@ class EngineConfig:
         max_num_batched_tokens: most tokens (prefill plus decode) in one iteration; longer
             prompts are prefilled in chunks over several iterations.
         max_model_len: the context window served, at most the model's own; None means the model's.
-        quantization: "none", or "int8" for weight-only int8 matmuls in iterations of a few rows
-            (worker.linear); the bfloat16 weights serve larger iterations.
+        quantization: "none", or "int8" / "int4" for weight-only quantized matmuls in iterations
+            of a few rows (worker.linear); the bfloat16 weights serve larger iterations. CPU only.
         fast_paths: use the C++ kernels (worker/ops.py) and oneDNN-prepacked weights
             (worker/linear.py) where available; False runs the plain torch reference everywhere.
         device: "cpu", "cuda" or "cuda:N"; None is CUDA where torch sees one, else the CPU.
@@ -96,10 +97,11 @@ class EngineConfig:
             )
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
-        if self.quantization not in ("none", "int8"):
-            raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
-        if self.quantization == "int8" and self.dtype == torch.float16:
-            raise ValueError("--quantization int8 needs bfloat16 or float32")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
+        if self.quantization != "none" and self.dtype == torch.float16:
+            raise ValueError(f"--quantization {self.quantization} needs bfloat16 or float32")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
@@ -112,6 +114,9 @@ class EngineConfig:
                 raise ValueError(f"device {self.device!r}: torch sees no CUDA device here")
             if device.type not in ("cpu", "cuda"):
                 raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.quantization != "none" and (self.device or default_device()) != "cpu":
+            raise ValueError(f"--quantization {self.quantization} runs on the CPU only (its "
+                             "kernels are torch's CPU weight-only matmuls)")
         if not 0.0 < self.kv_cache_memory_fraction < 1.0:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1)")
 

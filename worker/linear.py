@@ -8,10 +8,22 @@ for the number of rows an iteration brings.
   equal `F.linear`'s to 3e-5. float32, one [3072, 576] projection on an AMD EPYC (weights out of
   cache): 3 rows 1,118 -> 238 µs (MKL's small-M sgemm reads weights at about 7 GB/s), 64 rows
   1,624 -> 639 µs, 2,048 rows 41 -> 17 ms; relative difference to `F.linear` about 3e-6.
-- **int8 weight-only** (`--quantization int8`: `torch.ops.aten._weight_int8pack_mm`, symmetric
-  per-output-channel scales) for iterations of at most `INT8_MAX_ROWS` rows, where reading half the
-  bytes wins: 1 row 679 -> 285 µs per layer, LM head 6.3 -> 2.8 ms; at 16 rows it is 2.5x slower
-  than bfloat16, so larger iterations keep the bfloat16 weight.
+- **Weight-only quantization for small iterations** (`--quantization`), where a step is bound by
+  reading weights. Measured on an AMD EPYC, all 120 SmolLM2 projections with weights out of cache
+  (2 threads), bfloat16 prepacked / int8 / int4, ms per step:
+
+  | rows | 1 | 4 | 8 | 16 |
+  | --- | --- | --- | --- | --- |
+  | bfloat16 | 13.0 | 9.6 | 11.4 | 14.4 |
+  | int8 (`aten._weight_int8pack_mm`, per-output-channel scales) | 8.3 | 11.4 | 20.6 | 32.1 |
+  | int4 (`aten._weight_int4pack_mm_for_cpu`, groups of 32 with scale and zero) | 4.0 | 6.5 | 11.2 | 21.2 |
+
+  so int8 serves iterations of at most 2 rows and int4 at most 4; larger ones use the bfloat16
+  weight, kept next to the quantized copy. int4 in groups of 32 with a scale and a minimum is
+  GGUF's Q4_1, the format SmolLM2's projections ship in: quantizing the dequantized Q4_1 weights
+  again by each group's minimum and maximum gives back the file's own 4-bit levels (Q4_1's
+  quantizer sets them from the same minimum and maximum), so int4 serves those weights as shipped,
+  up to the rounding of scales to bfloat16.
 - Plain `F.linear` otherwise (float16, another device, or no oneDNN).
 """
 
@@ -20,8 +32,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-INT8_MAX_ROWS = 4  # int8 weight-only matmul is faster than bfloat16 up to here (measured: 4 yes, 16 no)
-QUANTIZATIONS = ("none", "int8")
+from worker.config import QUANTIZATIONS
+
+# The most rows an iteration may have for the quantized kernel to beat bfloat16 (table above).
+QUANTIZED_MAX_ROWS = {"int8": 2, "int4": 4}
+INT4_GROUP_SIZE = 32  # GGUF's Q4_0 / Q4_1 block
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,6 +54,38 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.to(weight.dtype)
 
 
+def quantize_int4(weight: torch.Tensor,
+                  group_size: int = INT4_GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 in groups of `group_size` input channels (GGUF Q4_1's scheme):
+    `weight[o, g * group_size + j] ≈ scale[g, o] * q[o, ...] + minimum[g, o]`, q in [0, 15], with
+    `scale = (max - min) / 15` per group.
+
+    Args:
+        weight: `[out, in]` float; `in` divisible by `group_size`, `out` even.
+
+    Returns:
+        The 4-bit levels packed for `aten._weight_int4pack_mm_for_cpu` (`[out, in / 2]` uint8),
+        and its `[in / group_size, out, 2]` scales and zeros in weight's dtype (the kernel computes
+        `(q - 8) * scale + zero`, so `zero = minimum + 8 * scale`).
+
+    Raises:
+        ValueError: shapes the kernel cannot take.
+    """
+    out_features, in_features = weight.shape
+    if in_features % group_size or out_features % 2:
+        raise ValueError(f"int4 needs in_features divisible by {group_size} and even "
+                         f"out_features, got {tuple(weight.shape)}")
+    w = weight.float().reshape(out_features, in_features // group_size, group_size)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scale = (hi - lo) / 15.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round((w - lo[..., None]) * inv[..., None]).clamp(0, 15).to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        q.reshape(out_features, in_features), 1)
+    scales_zeros = torch.stack([scale, lo + 8.0 * scale], dim=-1).transpose(0, 1).contiguous()
+    return packed, scales_zeros.to(weight.dtype)
+
+
 def _mkldnn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -48,13 +95,13 @@ class Linear:
 
     Args:
         weight: `[out_features, in_features]` in the serving dtype.
-        quantization: "none" or "int8" (int8 is used for iterations of at most INT8_MAX_ROWS rows;
-            bfloat16 or float32 weights only).
+        quantization: "none", "int8" or "int4": a quantized copy serves iterations of at most
+            `QUANTIZED_MAX_ROWS[quantization]` rows (bfloat16 or float32 weights on the CPU only).
         pack: hold a oneDNN prepacked copy for bfloat16 or float32 on the CPU (the plain weight is
             then dropped).
 
     Raises:
-        ValueError: an unknown quantization.
+        ValueError: an unknown quantization, or int4 on a shape it cannot take.
     """
 
     PACK_ROWS_HINT = 64  # the batch size oneDNN chooses its weight layout for
@@ -63,9 +110,13 @@ class Linear:
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         self.out_features, self.in_features = weight.shape
-        self.int8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.quantization = quantization
+        self.max_quantized_rows = QUANTIZED_MAX_ROWS.get(quantization, 0)
+        self.quantized: tuple[torch.Tensor, torch.Tensor] | None = None
         if quantization == "int8":
-            self.int8 = quantize_int8(weight)
+            self.quantized = quantize_int8(weight)
+        elif quantization == "int4":
+            self.quantized = quantize_int4(weight)
         self.packed = None
         self.weight: torch.Tensor | None = weight
         if (pack and weight.dtype in (torch.bfloat16, torch.float32)
@@ -75,8 +126,10 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`x` `[rows, in_features]` -> `[rows, out_features]`, both in the serving dtype."""
-        if self.int8 is not None and x.shape[0] <= INT8_MAX_ROWS:
-            q, scale = self.int8
+        if x.shape[0] <= self.max_quantized_rows:
+            q, scale = self.quantized
+            if self.quantization == "int4":
+                return torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, INT4_GROUP_SIZE, scale)
             return torch.ops.aten._weight_int8pack_mm(x, q, scale)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [None], "")

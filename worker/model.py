@@ -51,7 +51,8 @@ class LlamaModel:
         cfg: model shape.
         weights: tensors keyed by Hugging Face names (see `worker.loader`), in the serving dtype.
         max_positions: size of the RoPE table in positions (the served context window).
-        quantization: "none" or "int8" (weight-only, for small iterations: see worker.linear).
+        quantization: "none", "int8" or "int4" (weight-only, for small iterations: see
+            worker.linear); under int4 the LM head takes int8.
         fast_paths: C++ kernels and prepacked weights where available (else the torch reference).
         device: where the weights live and the model runs.
         attention_backend: "auto", "torch" or "triton" (worker.attention.make_backend).
@@ -80,9 +81,12 @@ class LlamaModel:
         self.embed = weights["model.embed_tokens.weight"]
         self.norm = weights["model.norm.weight"].float()
         # The plain LM head weight serves the exact recomputation of each row's best logits
-        # (compute_logits); the projection itself may run on a packed or int8 copy.
+        # (compute_logits); the projection itself may run on a packed or quantized copy.
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
-        self.lm_head_proj = Linear(self.lm_head, quantization, pack=fast_paths)
+        # Under int4 the LM head takes int8: SmolLM2 ships its tied embedding as Q8_0, and a 4-bit
+        # LM head cost 1% of perplexity (docs/engine.md).
+        self.lm_head_proj = Linear(self.lm_head, "int8" if quantization == "int4" else quantization,
+                                   pack=fast_paths)
 
         def linear(*names: str) -> Linear:
             return Linear(torch.cat([weights[n] for n in names]), quantization, pack=fast_paths)
@@ -167,10 +171,10 @@ class LlamaModel:
         """
         h = F.rms_norm(hidden, (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps)
         logits = self.lm_head_proj(h.to(self.dtype))
-        if self.dtype == torch.float32 and self.lm_head_proj.int8 is None:
+        if self.dtype == torch.float32 and self.lm_head_proj.quantized is None:
             return logits, ops.topk_rows(logits, 1, self.kernels)[1][:, 0]
         # A bfloat16 matmul rounds its output to bfloat16: at a logit of 25 the step is 0.125,
-        # enough to tie or swap the two best tokens (int8 weights err more). Recompute each row's
+        # enough to tie or swap the two best tokens (quantized weights err more). Recompute each row's
         # best candidates exactly (float32 activations against the unquantized weights) so greedy
         # picks the argmax float32 arithmetic would pick. Cost: a top-k and
         # `rows * REFINE_TOP_K` dot products.
