@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from worker import cpu_ops, ops
-from worker.attention import build_metadata, decode_attention_reference, write_kv
+from worker.attention import (TorchAttention, build_metadata, decode_attention_reference,
+                              write_kv)
 from worker.linear import QUANTIZED_MAX_ROWS, Linear, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the C++ kernels did not build here")
@@ -120,6 +121,38 @@ def test_decode_attention(dtype, head_dim, block_size, group):
     first = out[0].view(hkv * group, head_dim).float()
     own_v = v_pool[:, tables[0][0], 0].float().repeat_interleave(group, dim=0)
     assert torch.allclose(first, own_v, atol=TOL[dtype] * 10)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_kernel_call_attends_decodes_and_prefill_chunks(dtype):
+    """A whole iteration (decodes, a prompt prefilled at once, and a chunk continuing a cached
+    prefix) through the kernel path, which scores every row as a query over its request's pages,
+    against the reference path (SDPA per chunk, gathered blocks)."""
+    g = torch.Generator().manual_seed(17)
+    hkv, group, d, bs, num_blocks = 3, 3, 64, 16, 64
+    k_pool, v_pool = _random_cache(g, hkv, num_blocks, bs, d, dtype)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+
+    def take(tokens):
+        nonlocal free
+        m = -(-tokens // bs)
+        table, free = free[:m], free[m:]
+        return table
+
+    decode_lens = [5, 40, 129]
+    decode_tables = [take(n) for n in decode_lens]
+    prefills = [(take(37), 0, 37), (take(70 + 45), 70, 45)]  # (table, cached, chunk)
+    meta = build_metadata(decode_tables, decode_lens, prefills, bs)
+    n = len(decode_lens) + 37 + 45
+    q = torch.randn(n, hkv * group, d, generator=g).to(dtype)
+    k = torch.randn(n, hkv, d, generator=g).to(dtype)
+    v = torch.randn(n, hkv, d, generator=g).to(dtype)
+    scale = d**-0.5
+    ref = TorchAttention(cpu_kernels=False).forward(q.float(), k.float(), v.float(),
+                                                    k_pool.float(), v_pool.float(), meta, scale)
+    out = TorchAttention(cpu_kernels=True).forward(q, k, v, k_pool, v_pool, meta, scale)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert rel(out, ref) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
