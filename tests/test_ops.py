@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from worker import cpu_ops, ops
-from worker.attention import (TorchAttention, build_metadata, decode_attention_reference,
-                              write_kv)
+from worker.attention import TorchAttention, build_metadata, decode_attention_reference, write_kv
 from worker.linear import QUANTIZED_MAX_ROWS, Linear, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the C++ kernels did not build here")
@@ -111,8 +110,8 @@ def test_decode_attention(dtype, head_dim, block_size, group):
     q = torch.randn(len(lens), hkv * group, head_dim, generator=g).to(dtype)
     meta = build_metadata(tables, lens, [], block_size)
     scale = head_dim**-0.5
-    out = torch.ops.shoal.decode_attention(q, k_pool, v_pool, meta.decode_block_tables,
-                                           meta.decode_lens, scale)
+    out = torch.ops.shoal.paged_attention(q, k_pool, v_pool, meta.decode_block_tables,
+                                          torch.arange(len(lens) + 1), meta.decode_lens, scale)
     ref = decode_attention_reference(q.float(), k_pool.float(), v_pool.float(), meta, scale)
     assert out.shape == (len(lens), hkv * group * head_dim) and out.dtype == dtype
     assert out.isfinite().all()

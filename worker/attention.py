@@ -7,20 +7,25 @@ request attends to its own K/V. The flat batch is ordered decodes first, then pr
 The paged K/V cache (worker/kv_cache.py) keeps, per layer, `k_pool [Hkv, num_blocks, D,
 block_size]` (keys transposed within a block) and `v_pool [Hkv, num_blocks, block_size, D]`.
 
-- **Decode** requests (one new token each) go to one call of the C++ kernel
-  `shoal::decode_attention`, which reads every request's blocks where they lie (no gather) and
-  scores a block's tokens with FMAs across the block, the reason keys are transposed. Measured here
-  (bfloat16, 64 decodes, contexts 33-320, 2 threads): 0.8-1.0 ms per layer, where gathering the
-  blocks with `index_select` and running batched matmul + softmax (the torch path, kept as the
-  fallback and the test oracle) cost 3.1 ms in the engine and 6-8 ms in a cold microbenchmark.
-- **Prefill** tokens go to the same kernel call: the i-th token of a chunk is one more query over
-  its request's pages, attending `num_cached + i + 1` tokens (its chunk's K/V are written first),
-  so causal masking costs nothing and a chunk continuing a cached prefix (chunked prefill) reads
-  the prefix in place. One call per layer serves the whole iteration. Measured (bfloat16, 8
-  prompts per iteration, one layer): 64-token prompts 1.70 -> 0.63 ms, 144 tokens 5.8 -> 2.0 ms,
-  256 tokens 11.2 -> 7.0 ms against `scaled_dot_product_attention` per prompt (its CPU flash
-  kernel, the torch path and the test oracle, which gathers a cached prefix first); a 2,048-token
-  prefill iteration 1.46 -> 1.31 s.
+One call per layer of the C++ kernel `shoal::paged_attention` serves the whole iteration. It reads
+every request's blocks where they lie (no gather) and scores a block's 16 tokens with FMAs across
+the block, the reason keys are transposed. A request brings consecutive query rows, and its last
+row attends `seq_len` tokens, each earlier row one fewer:
+
+- a **decode** is one row over its context;
+- a **prefill** chunk's i-th token attends `num_cached + i + 1` tokens (the chunk's K/V are
+  written first), so causal masking costs nothing and a chunk continuing a cached prefix (chunked
+  prefill) reads the prefix in place. Rows go in tiles of 4, whose 4 x G queries share every key
+  and value loaded.
+
+Measured here (bfloat16, 2 threads, one layer): 64 decodes with contexts 33-320 0.8-1.0 ms, where
+gathering the blocks with `index_select` and running batched matmul + softmax (the torch path,
+kept as the fallback and the test oracle) cost 3.1 ms in the engine and 6-8 ms in a cold
+microbenchmark. Prefill of 8 prompts against `scaled_dot_product_attention` per prompt (its CPU
+flash kernel; the torch path, which gathers a cached prefix first): 64-token prompts 1.70 -> 0.75
+ms, 144 tokens 5.8 -> 1.85 ms, 256 tokens 11.2 -> 5.3 ms (rows one at a time: 6.5 ms; 4-row tiles
+as portable loops: 6.2 ms, GCC spilled the accumulators, hence AVX-512 written out). A 2,048-token
+prefill iteration 1.46 -> 1.28 s; W64 222 -> 238 tokens/s.
 
 The metadata is built once per iteration by `build_metadata` and shared by all layers.
 
@@ -100,19 +105,21 @@ class AttentionMetadata:
                 >= self.decode_lens[:, None]).unsqueeze(1)
 
     @cached_property
-    def token_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row of the flat batch as one query of the decode kernel: its request's block
-        table `[num_tokens, max_blocks]` int64 (zero-padded) and the tokens it attends `[num_tokens]`
-        int64: a decode's length, and `num_cached + i + 1` for the i-th token of a prefill chunk
-        (causal attention over the cached prefix and the chunk up to itself)."""
+    def seq_arrays(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every request of the iteration (decodes, then prefill chunks) for the paged attention
+        kernel: block tables `[num_seqs, max_blocks]` (zero-padded), `query_start_loc`
+        `[num_seqs + 1]` (request i's query rows are `[loc[i], loc[i + 1])`) and `seq_lens`
+        `[num_seqs]` (tokens attended by each request's last row), all int64."""
         width = max([self.decode_block_tables.shape[1], *(len(s.block_table) for s in self.prefills)])
-        tables = [F.pad(self.decode_block_tables, (0, width - self.decode_block_tables.shape[1]))]
-        lens = [self.decode_lens]
-        for s in self.prefills:
-            chunk = s.end - s.start
-            tables.append(F.pad(s.block_table, (0, width - len(s.block_table))).expand(chunk, width))
-            lens.append(torch.arange(s.num_cached + 1, s.num_cached + chunk + 1, device=self.device))
-        return torch.cat(tables), torch.cat(lens)
+        tables = torch.cat([F.pad(self.decode_block_tables,
+                                  (0, width - self.decode_block_tables.shape[1])),
+                            *(F.pad(s.block_table, (0, width - len(s.block_table)))[None]
+                              for s in self.prefills)])
+        ends = [s.end for s in self.prefills]
+        starts = torch.tensor([0, *range(1, self.num_decodes + 1), *ends], dtype=torch.long)
+        lens = torch.tensor([s.num_cached + s.end - s.start for s in self.prefills],
+                            dtype=torch.long)
+        return tables, starts.to(self.device), torch.cat([self.decode_lens, lens.to(self.device)])
 
     @cached_property
     def prefill_arrays(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -285,11 +292,10 @@ class TorchAttention(AttentionBackend):
     def forward(self, q, k, v, k_pool, v_pool, meta, scale):
         if not self.cpu_kernels:
             return super().forward(q, k, v, k_pool, v_pool, meta, scale)
-        # Decodes and prefill tokens in one call of the decode kernel, a prefill token being a
-        # query over its request's pages up to itself (`AttentionMetadata.token_tables`).
+        # Decodes and prefill chunks in one kernel call (`AttentionMetadata.seq_arrays`).
         self.write_kv(k, v, k_pool, v_pool, meta.slot_mapping)
-        tables, lens = meta.token_tables
-        return torch.ops.shoal.decode_attention(q, k_pool, v_pool, tables, lens, scale)
+        tables, starts, lens = meta.seq_arrays
+        return torch.ops.shoal.paged_attention(q, k_pool, v_pool, tables, starts, lens, scale)
 
     def rotate_keys(self, keys, delta, cos_sin):
         return ops.rope_rotate(keys, delta, cos_sin)
@@ -299,8 +305,9 @@ class TorchAttention(AttentionBackend):
 
     def decode(self, q, k_pool, v_pool, meta, scale, out):
         if self.cpu_kernels:
-            out.copy_(torch.ops.shoal.decode_attention(q, k_pool, v_pool, meta.decode_block_tables,
-                                                       meta.decode_lens, scale))
+            starts = torch.arange(q.shape[0] + 1)  # one query row per decode
+            out.copy_(torch.ops.shoal.paged_attention(q, k_pool, v_pool, meta.decode_block_tables,
+                                                      starts, meta.decode_lens, scale))
         else:
             out.copy_(decode_attention_reference(q, k_pool, v_pool, meta, scale))
 

@@ -65,4 +65,4 @@ def _build() -> bool:
     except Exception as e:  # no compiler, no ninja, a compile error: serve on the torch path
         log.warning("shoal CPU kernels unavailable (%s); using the torch path", e)
         return False
-    return hasattr(torch.ops.shoal, "decode_attention")
+    return hasattr(torch.ops.shoal, "paged_attention")

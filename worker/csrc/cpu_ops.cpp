@@ -4,7 +4,8 @@
 // installed, so the ABI always matches). Every kernel computes in float32 whatever the storage
 // dtype (float32 or bfloat16), and parallelises with at::parallel_for, which honours
 // torch.set_num_threads (its OpenMP pragmas are inline in ATen's headers: build with -fopenmp).
-// Loops are written for the compiler to vectorise (-O3 -march=native, `omp simd` reductions); no intrinsics, so the file builds on any CPU gcc targets.
+// Loops are written for the compiler to vectorise (-O3 -march=native, `omp simd` reductions), so the
+// file builds on any CPU gcc targets; only paged attention has an AVX-512 version written out.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -19,6 +20,10 @@
 #include <limits>
 #include <tuple>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -130,27 +135,34 @@ void write_kv(const Tensor& k, const Tensor& v, Tensor k_pool, Tensor v_pool, co
   });
 }
 
-// Decode attention: one query token per request against its own blocks, read where they lie.
-// One work item is one (request, K/V head): the G = Hq / Hkv query heads sharing that K/V head
-// are scored together, so every K and V element is loaded once for G queries.
+// Paged attention of one iteration: every query row against its own request's blocks, read where
+// they lie. A request contributes consecutive query rows (one for a decode, a chunk's tokens for a
+// prefill); its last row attends `seq_len` tokens and each earlier row one fewer (causal), so a
+// prefill chunk's own K/V, written before the call, serve as its keys and a cached prefix is read in
+// place (chunked prefill). A work item is one (request, tile of up to kTile consecutive rows, K/V
+// head): the G = Hq / Hkv query heads of the tile's rows sharing that K/V head are scored together,
+// so every K and V element loaded serves G x rows queries.
 //
-// The accumulators of a block's scores ([G][BS]) and of the output ([G][D]) are small arrays of
-// compile-time size, which GCC keeps in vector registers: accumulating through memory instead made
-// every FMA wait on the previous store (measured 3x slower). `attend` is instantiated for common
-// (G, BS, D) and `attend_generic` serves any other shape.
-constexpr int64_t kMaxGroup = 16, kMaxHeadDim = 256, kMaxBlockSize = 256;
+// The accumulators of a block's scores ([R*G][BS]) and of the output ([R*G][DC]) are small arrays
+// of compile-time size, which GCC keeps in vector registers: accumulating through memory instead
+// made every FMA wait on the previous store (measured 3x slower). `attend` is instantiated for
+// common (G, BS, D) and `attend_generic` serves any other shape, a row at a time.
+constexpr int64_t kMaxGroup = 16, kMaxHeadDim = 256, kMaxBlockSize = 256, kTile = 4;
 
-// Where one work item reads and writes. q is float32, already scaled; scores has G rows of
-// `padded` floats.
+// Where one work item reads and writes. q is float32, already scaled, [rows][G][D]; scores has
+// rows * G rows of `padded` floats.
 template <typename scalar_t>
-struct DecodeItem {
+struct AttnItem {
   const float* q;
   const scalar_t* k_head;  // k_pool[h]: [num_blocks, D, BS]
   const scalar_t* v_head;  // v_pool[h]: [num_blocks, BS, D]
   const int64_t* table;
-  int64_t len, padded;
+  int64_t rows;    // consecutive query rows
+  int64_t len;     // tokens the last row attends; row i attends len - (rows - 1 - i)
+  int64_t padded;  // len rounded up to the block size
   float* scores;
-  scalar_t* out;  // [G, D]
+  scalar_t* out;   // the first row's [G, D] output
+  int64_t out_row_stride;
 };
 
 // Asks for `n` elements from `p` on to be brought into cache, one request per 64-byte line.
@@ -160,9 +172,11 @@ template <typename T> inline void prefetch(const T* p, int64_t n) {
   for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off);
 }
 
-// Softmax of each of the G score rows over its first `len` entries, in place; returns 1 / sum
-// per row in inv_sum (the output is scaled once at the end).
-inline void softmax_rows(float* scores, int64_t g, int64_t len, int64_t padded, float* inv_sum) {
+// Softmax of each of the G score rows over its first `len` entries, in place, then zeros up to
+// `upto` (so a tile's shorter rows add nothing past their length); returns 1 / sum per row in
+// inv_sum (the output is scaled once at the end).
+inline void softmax_rows(float* scores, int64_t g, int64_t len, int64_t upto, int64_t padded,
+                         float* inv_sum) {
   for (int64_t j = 0; j < g; ++j) {
     float* s = scores + j * padded;
     float m = -std::numeric_limits<float>::infinity();
@@ -174,47 +188,114 @@ inline void softmax_rows(float* scores, int64_t g, int64_t len, int64_t padded, 
       s[t] = fast_exp(s[t] - m);
       sum += s[t];
     }
+    for (int64_t t = len; t < upto; ++t) s[t] = 0.f;
     inv_sum[j] = 1.f / sum;
   }
 }
 
-template <typename scalar_t, int64_t G, int64_t BS, int64_t D>
-void attend(const DecodeItem<scalar_t>& it) {
+// R rows of G heads; the weighted sum of values runs over DC columns of D at a time, so that
+// R * G * DC accumulators fit in registers (DC = D when R = 1: a decode reads its values once).
+template <typename scalar_t, int64_t G, int64_t BS, int64_t D, int64_t R>
+void attend(const AttnItem<scalar_t>& it) {
+  constexpr int64_t Q = R * G, DC = R == 1 ? D : 32;
   const int64_t nblocks = (it.len + BS - 1) / BS;
   for (int64_t b = 0; b < nblocks; ++b) {
     const scalar_t* kb = it.k_head + it.table[b] * D * BS;
     if (b + 1 < nblocks) prefetch(it.k_head + it.table[b + 1] * D * BS, D * BS);
     prefetch(it.v_head + it.table[b] * BS * D, BS * D);  // for the weighted sum below
-    float acc[G][BS] = {};
+    float acc[Q][BS] = {};
     for (int64_t e = 0; e < D; ++e) {
       float kf[BS];
       for (int64_t t = 0; t < BS; ++t) kf[t] = to_float(kb[e * BS + t]);
-      for (int64_t j = 0; j < G; ++j) {
+      for (int64_t j = 0; j < Q; ++j) {
         const float qe = it.q[j * D + e];
         for (int64_t t = 0; t < BS; ++t) acc[j][t] += qe * kf[t];
       }
     }
-    for (int64_t j = 0; j < G; ++j)
+    for (int64_t j = 0; j < Q; ++j)
       for (int64_t t = 0; t < BS; ++t) it.scores[j * it.padded + b * BS + t] = acc[j][t];
   }
-  float inv_sum[G];
-  softmax_rows(it.scores, G, it.len, it.padded, inv_sum);
-  float o[G][D] = {};
-  for (int64_t t = 0; t < it.len; ++t) {
-    const scalar_t* vrow = it.v_head + (it.table[t / BS] * BS + t % BS) * D;
-    float vf[D];
-    for (int64_t e = 0; e < D; ++e) vf[e] = to_float(vrow[e]);
-    for (int64_t j = 0; j < G; ++j) {
-      const float p = it.scores[j * it.padded + t];
-      for (int64_t e = 0; e < D; ++e) o[j][e] += p * vf[e];
+  float inv_sum[Q];
+  for (int64_t r = 0; r < R; ++r)
+    softmax_rows(it.scores + r * G * it.padded, G, it.len - (R - 1 - r), it.len, it.padded,
+                 inv_sum + r * G);
+  for (int64_t c = 0; c < D; c += DC) {
+    float o[Q][DC] = {};
+    for (int64_t t = 0; t < it.len; ++t) {
+      const scalar_t* vrow = it.v_head + (it.table[t / BS] * BS + t % BS) * D + c;
+      float vf[DC];
+      for (int64_t e = 0; e < DC; ++e) vf[e] = to_float(vrow[e]);
+      for (int64_t j = 0; j < Q; ++j) {
+        const float p = it.scores[j * it.padded + t];
+        for (int64_t e = 0; e < DC; ++e) o[j][e] += p * vf[e];
+      }
+    }
+    for (int64_t j = 0; j < Q; ++j) {
+      scalar_t* dst = it.out + (j / G) * it.out_row_stride + (j % G) * D + c;
+      for (int64_t e = 0; e < DC; ++e) dst[e] = from_float<scalar_t>(o[j][e] * inv_sum[j]);
     }
   }
-  for (int64_t j = 0; j < G; ++j)
-    for (int64_t e = 0; e < D; ++e) it.out[j * D + e] = from_float<scalar_t>(o[j][e] * inv_sum[j]);
 }
 
+#if defined(__AVX512F__)
+// The same for 16-token blocks with AVX-512 written out: for R > 1, GCC vectorised the portable
+// loops along D and spilled the accumulators (perf: a 4-row tile no faster than rows one by one).
+// Here a block's scores are Q = R * G vector registers, one FMA per (query, dimension), and the
+// weighted sum of values keeps Q x DC / 16 registers.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+template <typename scalar_t, int64_t G, int64_t D, int64_t R>
+void attend16(const AttnItem<scalar_t>& it) {
+  constexpr int64_t BS = 16, Q = R * G, DC = R == 1 ? D : 32, NV = DC / 16;
+  static_assert(D % DC == 0 && DC % 16 == 0, "head_dim must be a multiple of 32");
+  const int64_t nblocks = (it.len + BS - 1) / BS;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const scalar_t* kb = it.k_head + it.table[b] * D * BS;
+    if (b + 1 < nblocks) prefetch(it.k_head + it.table[b + 1] * D * BS, D * BS);
+    prefetch(it.v_head + it.table[b] * BS * D, BS * D);
+    __m512 acc[Q];
+    for (int64_t j = 0; j < Q; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < D; ++e) {
+      const __m512 kf = load16(kb + e * BS);
+      for (int64_t j = 0; j < Q; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(it.q[j * D + e]), kf, acc[j]);
+    }
+    for (int64_t j = 0; j < Q; ++j) _mm512_storeu_ps(it.scores + j * it.padded + b * BS, acc[j]);
+  }
+  float inv_sum[Q];
+  for (int64_t r = 0; r < R; ++r)
+    softmax_rows(it.scores + r * G * it.padded, G, it.len - (R - 1 - r), it.len, it.padded,
+                 inv_sum + r * G);
+  for (int64_t c = 0; c < D; c += DC) {
+    __m512 o[Q][NV];
+    for (int64_t j = 0; j < Q; ++j)
+      for (int64_t u = 0; u < NV; ++u) o[j][u] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < it.len; ++t) {
+      const scalar_t* vrow = it.v_head + (it.table[t / BS] * BS + t % BS) * D + c;
+      __m512 vf[NV];
+      for (int64_t u = 0; u < NV; ++u) vf[u] = load16(vrow + 16 * u);
+      for (int64_t j = 0; j < Q; ++j) {
+        const __m512 p = _mm512_set1_ps(it.scores[j * it.padded + t]);
+        for (int64_t u = 0; u < NV; ++u) o[j][u] = _mm512_fmadd_ps(p, vf[u], o[j][u]);
+      }
+    }
+    for (int64_t j = 0; j < Q; ++j) {
+      alignas(64) float row[DC];
+      for (int64_t u = 0; u < NV; ++u)
+        _mm512_store_ps(row + 16 * u, _mm512_mul_ps(o[j][u], _mm512_set1_ps(inv_sum[j])));
+      scalar_t* dst = it.out + (j / G) * it.out_row_stride + (j % G) * D + c;
+      for (int64_t e = 0; e < DC; ++e) dst[e] = from_float<scalar_t>(row[e]);
+    }
+  }
+}
+#endif
+
 template <typename scalar_t>
-void attend_generic(const DecodeItem<scalar_t>& it, int64_t g, int64_t bs, int64_t d) {
+void attend_generic(const AttnItem<scalar_t>& it, int64_t g, int64_t bs, int64_t d) {
+  // One row (it.rows == 1): the scheduler below never tiles shapes without a fast kernel.
   for (int64_t b = 0; b * bs < it.len; ++b) {
     const scalar_t* kb = it.k_head + it.table[b] * d * bs;
     for (int64_t j = 0; j < g; ++j) {
@@ -227,7 +308,7 @@ void attend_generic(const DecodeItem<scalar_t>& it, int64_t g, int64_t bs, int64
     }
   }
   float inv_sum[kMaxGroup];
-  softmax_rows(it.scores, g, it.len, it.padded, inv_sum);
+  softmax_rows(it.scores, g, it.len, it.len, it.padded, inv_sum);
   for (int64_t j = 0; j < g; ++j) {
     float o[kMaxHeadDim] = {};
     for (int64_t t = 0; t < it.len; ++t) {
@@ -240,53 +321,93 @@ void attend_generic(const DecodeItem<scalar_t>& it, int64_t g, int64_t bs, int64
 }
 
 template <typename scalar_t>
-void decode_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
-                           const Tensor& block_tables, const Tensor& seq_lens, double scale) {
-  const int64_t nd = q.size(0), hq = q.size(1), d = q.size(2);
+void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
+                          const Tensor& block_tables, const Tensor& query_start_loc,
+                          const Tensor& seq_lens, double scale) {
+  const int64_t hq = q.size(1), d = q.size(2);
   const int64_t hkv = k_pool.size(0), nb = k_pool.size(1), bs = k_pool.size(3);
-  const int64_t g = hq / hkv, max_blocks = block_tables.size(1);
+  const int64_t g = hq / hkv, max_blocks = block_tables.size(1), num_seqs = seq_lens.size(0);
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const scalar_t* qp = ptr<scalar_t>(q);
   const scalar_t* kp = ptr<scalar_t>(k_pool);
   const scalar_t* vp = ptr<scalar_t>(v_pool);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   scalar_t* op = ptr<scalar_t>(out);
   const float fscale = static_cast<float>(scale);
-  using Fn = void (*)(const DecodeItem<scalar_t>&);
-  Fn fast = nullptr;
-  if (bs == 16 && d == 64 && g == 1) fast = attend<scalar_t, 1, 16, 64>;
-  if (bs == 16 && d == 64 && g == 3) fast = attend<scalar_t, 3, 16, 64>;
-  if (bs == 16 && d == 64 && g == 4) fast = attend<scalar_t, 4, 16, 64>;
-  if (bs == 16 && d == 128 && g == 1) fast = attend<scalar_t, 1, 16, 128>;
-  if (bs == 16 && d == 128 && g == 4) fast = attend<scalar_t, 4, 16, 128>;
+  using Fn = void (*)(const AttnItem<scalar_t>&);
+  Fn one = nullptr, tile = nullptr;
+#if defined(__AVX512F__)
+#define SHOAL_ATTEND(G, BS, D)                                                 \
+  if (g == G && bs == BS && d == D) {                                          \
+    one = attend16<scalar_t, G, D, 1>;                                         \
+    tile = attend16<scalar_t, G, D, kTile>;                                    \
+  }
+#else
+#define SHOAL_ATTEND(G, BS, D)                                                 \
+  if (g == G && bs == BS && d == D) {                                          \
+    one = attend<scalar_t, G, BS, D, 1>;                                       \
+    tile = attend<scalar_t, G, BS, D, kTile>;                                  \
+  }
+#endif
+  SHOAL_ATTEND(1, 16, 64)
+  SHOAL_ATTEND(3, 16, 64)
+  SHOAL_ATTEND(4, 16, 64)
+  SHOAL_ATTEND(1, 16, 128)
+  SHOAL_ATTEND(4, 16, 128)
+#undef SHOAL_ATTEND
 
-  at::parallel_for(0, nd * hkv, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float qf[kMaxGroup * kMaxHeadDim];
+  // Work items (sequence, first row, rows): full tiles where a tile kernel exists, then rows one
+  // by one. Costs vary with the tokens attended, so items are handed out dynamically, longest
+  // first: with static halves, a thread that the OS preempts holds the other one at the end.
+  struct Work { int64_t seq, row, rows, len; };
+  std::vector<Work> work;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t first = starts[s], last = starts[s + 1];
+    TORCH_CHECK(last > first && last - first <= lens[s], "sequence ", s, ": bad query rows");
+    for (int64_t r = first; r < last;) {
+      const int64_t rows = (tile && last - r >= kTile) ? kTile : 1;
+      work.push_back({s, r, rows, lens[s] - (last - (r + rows))});
+      r += rows;
+    }
+  }
+  std::sort(work.begin(), work.end(), [](const Work& a, const Work& b) { return a.len > b.len; });
+  const int64_t num_items = static_cast<int64_t>(work.size()) * hkv;
+  TORCH_CHECK(num_items == 0 || (work.front().len + bs - 1) / bs <= max_blocks,
+              "a sequence attends more tokens than its block table holds");
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    alignas(64) float qf[kTile * kMaxGroup * kMaxHeadDim];
     std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / hkv, h = item % hkv, len = lens[r];
-      const int64_t padded = (len + bs - 1) / bs * bs;
-      for (int64_t j = 0; j < g; ++j)
-        for (int64_t e = 0; e < d; ++e)
-          qf[j * d + e] = to_float(qp[r * qs0 + (h * g + j) * qs1 + e]) * fscale;
-      scores.resize(g * padded);
-      const DecodeItem<scalar_t> it{qf, kp + h * nb * d * bs, vp + h * nb * bs * d,
-                                    tables + r * max_blocks, len, padded, scores.data(),
-                                    op + (r * hq + h * g) * d};
-      if (fast)
-        fast(it);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_items; ++item) {
+      const Work& w = work[item / hkv];
+      const int64_t h = item % hkv, padded = (w.len + bs - 1) / bs * bs;
+      for (int64_t r = 0; r < w.rows; ++r)
+        for (int64_t j = 0; j < g; ++j)
+          for (int64_t e = 0; e < d; ++e)
+            qf[(r * g + j) * d + e] = to_float(qp[(w.row + r) * qs0 + (h * g + j) * qs1 + e]) * fscale;
+      scores.resize(w.rows * g * padded);
+      const AttnItem<scalar_t> it{qf, kp + h * nb * d * bs, vp + h * nb * bs * d,
+                                  tables + w.seq * max_blocks, w.rows, w.len, padded, scores.data(),
+                                  op + (w.row * hq + h * g) * d, hq * d};
+      if (w.rows > 1)
+        tile(it);
+      else if (one)
+        one(it);
       else
         attend_generic(it, g, bs, d);
     }
-  });
+  }
 }
 
-Tensor decode_attention(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
-                        const Tensor& block_tables, const Tensor& seq_lens, double scale) {
-  for (auto* p : {&k_pool, &v_pool, &block_tables, &seq_lens})
-    check_cpu_contiguous(*p, "decode_attention argument");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q [nd, Hq, D] with unit stride along D");
+Tensor paged_attention(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
+                       const Tensor& block_tables, const Tensor& query_start_loc,
+                       const Tensor& seq_lens, double scale) {
+  for (auto* p : {&k_pool, &v_pool, &block_tables, &query_start_loc, &seq_lens})
+    check_cpu_contiguous(*p, "paged_attention argument");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q [num_tokens, Hq, D] with unit stride along D");
   TORCH_CHECK(k_pool.dim() == 4 && v_pool.dim() == 4 && k_pool.size(2) == q.size(2) &&
                   v_pool.size(3) == q.size(2) && v_pool.size(2) == k_pool.size(3),
               "k_pool [Hkv, num_blocks, D, block_size], v_pool [Hkv, num_blocks, block_size, D]");
@@ -296,14 +417,20 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_pool, const Tensor& v_p
               "head_dim and block_size must be at most ", kMaxHeadDim, " and ", kMaxBlockSize);
   TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(),
               "q and the pools must share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
-              "block_tables and seq_lens must be int64");
-  TORCH_CHECK(block_tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
-              "one block table and one length per decode");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_start_loc.scalar_type() == at::kLong &&
+                  seq_lens.scalar_type() == at::kLong,
+              "block_tables, query_start_loc and seq_lens must be int64");
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(block_tables.size(0) == num_seqs && query_start_loc.size(0) == num_seqs + 1,
+              "one block table and one length per sequence, num_seqs + 1 query starts");
+  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == q.size(0),
+              "query_start_loc must run from 0 to the number of query rows");
   Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
-  dispatch_storage(q.scalar_type(), "decode_attention", [&](auto* tag) {
+  dispatch_storage(q.scalar_type(), "paged_attention", [&](auto* tag) {
     using scalar_t = std::remove_pointer_t<decltype(tag)>;
-    decode_attention_impl<scalar_t>(out, q, k_pool, v_pool, block_tables, seq_lens, scale);
+    paged_attention_impl<scalar_t>(out, q, k_pool, v_pool, block_tables, query_start_loc,
+                                   seq_lens, scale);
   });
   return out;
 }
@@ -508,8 +635,8 @@ std::tuple<Tensor, Tensor> topk_rows(const Tensor& x, int64_t k) {
 
 TORCH_LIBRARY(shoal, m) {
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping) -> ()");
-  m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
-        "Tensor seq_lens, float scale) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
+        "Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps, ScalarType out_dtype) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
@@ -518,7 +645,7 @@ TORCH_LIBRARY(shoal, m) {
 
 TORCH_LIBRARY_IMPL(shoal, CPU, m) {
   m.impl("write_kv", &write_kv);
-  m.impl("decode_attention", &decode_attention);
+  m.impl("paged_attention", &paged_attention);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("topk_rows", &topk_rows);
