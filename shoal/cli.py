@@ -56,8 +56,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="torch threads (default: all cores)")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                    help="int8 / int4: weight-only quantized matmuls for iterations of a few rows "
-                        "(faster single-stream decode; int4 is GGUF Q4_1's scheme; see "
-                        "docs/engine.md for the perplexity cost)")
+                        "(faster single-stream decode; int4 is GGUF Q4_1's scheme); w8a8: int8 "
+                        "activations too in large iterations (faster prefill and batched "
+                        "decode); see docs/engine.md for the perplexity cost")
     p.add_argument("--device", default=None,
                    help="cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu)")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
@@ -67,7 +68,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 DEFAULT_HEALTH_URL = "http://127.0.0.1:8000/healthz"
 POLICIES = ["reserve", "ondemand", "request-level"]  # scheduler/core.py POLICIES
 ATTENTION_BACKENDS = ["auto", "torch", "triton"]  # worker/config.py ATTENTION_BACKENDS
-QUANTIZATIONS = ["none", "int8", "int4"]  # worker/config.py QUANTIZATIONS
+QUANTIZATIONS = ["none", "int8", "int4", "w8a8"]  # worker/config.py QUANTIZATIONS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--max-model-len", type=_positive_int, default=None)
     u.add_argument("--threads", type=_positive_int, default=None, help="torch threads per worker")
     u.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
-                   help="weight-only int8 or int4 for small iterations in every worker")
+                   help="int8 / int4 weight-only for small iterations, or w8a8, in every worker")
     u.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="every worker's attention backend (auto: triton on CUDA, else torch)")
     _add_tensor_parallel_arg(u)

@@ -12,9 +12,12 @@ from tests.conftest import make_engine
 from worker import cpu_ops
 from worker.loader import load_model
 from worker.offline import generate
-from worker.perplexity import REFERENCE_TEXT, decode_perplexity, reference_text, teacher_force
+from worker.perplexity import (REFERENCE_TEXT, decode_perplexity, prefill_perplexity,
+                              reference_text, teacher_force)
 
-PERPLEXITY_BOUND = 1.02  # int8 / int4 perplexity at most 2% above bfloat16's (docs/engine.md)
+# Quantized perplexity at most this far above bfloat16's (docs/engine.md): weight-only within 2%;
+# w8a8's int8 activations measured +1.8% (512 tokens) and +2.2% (1,024 tokens) as one prompt.
+PERPLEXITY_BOUND = {"int8": 1.02, "int4": 1.02, "w8a8": 1.03}
 
 
 @pytest.fixture(scope="module")
@@ -75,16 +78,22 @@ def test_bfloat16_fast_paths_are_as_close_to_float32_as_the_torch_path(fp32_mode
 
 
 @pytest.mark.skipif(not REFERENCE_TEXT.exists(), reason=f"{REFERENCE_TEXT} is not on this machine")
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8"])
 def test_quantization_is_deterministic_and_within_its_perplexity_bound(bf16_model, tokenizer,
                                                                        quantization):
     once = _run(bf16_model, tokenizer, dtype=torch.bfloat16, quantization=quantization)
     again = _run(bf16_model, tokenizer, dtype=torch.bfloat16, quantization=quantization)
     assert once == again
-    ids = tokenizer.encode(reference_text(), add_special_tokens=False)[:160]
-    ppl = {q: decode_perplexity(make_engine(bf16_model, dtype=torch.bfloat16, quantization=q), ids)
-           for q in ("none", quantization)}
-    print(f"perplexity on {REFERENCE_TEXT} ({len(ids)} tokens): bfloat16 {ppl['none']:.3f}, "
-          f"{quantization} {ppl[quantization]:.3f}")
-    assert 1.0 < ppl["none"] < 100.0  # a real model on real text, not noise
-    assert ppl[quantization] <= ppl["none"] * PERPLEXITY_BOUND
+    ids = tokenizer.encode(reference_text(), add_special_tokens=False)[:512]
+    engines = {q: make_engine(bf16_model, dtype=torch.bfloat16, quantization=q)
+               for q in ("none", quantization)}
+    # One token per iteration (the weight-only path) and the whole text as one prompt (w8a8's
+    # int8 activations).
+    decode = {q: decode_perplexity(e, ids[:160]) for q, e in engines.items()}
+    prefill = {q: prefill_perplexity(e, ids) for q, e in engines.items()}
+    print(f"perplexity on {REFERENCE_TEXT}: one token per iteration (160 tokens) bfloat16 "
+          f"{decode['none']:.3f}, {quantization} {decode[quantization]:.3f}; one prompt (512 "
+          f"tokens) bfloat16 {prefill['none']:.3f}, {quantization} {prefill[quantization]:.3f}")
+    for ppl in (decode, prefill):
+        assert 1.0 < ppl["none"] < 100.0  # a real model on real text, not noise
+        assert ppl[quantization] <= ppl["none"] * PERPLEXITY_BOUND[quantization]

@@ -7,7 +7,8 @@ import torch
 
 from worker import cpu_ops, ops
 from worker.attention import TorchAttention, build_metadata, decode_attention_reference, write_kv
-from worker.linear import QUANTIZED_MAX_ROWS, Linear, quantize_int4, quantize_int8
+from worker.linear import (QUANTIZED_MAX_ROWS, W8A8_MIN_ROWS, Linear, quantize_int4,
+                           quantize_int8)
 
 pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the C++ kernels did not build here")
 
@@ -217,3 +218,43 @@ def test_int4_gives_back_q4_1_weights_and_serves_few_rows_only():
     assert rel(lin(large), torch.nn.functional.linear(large, wb)) <= 1e-2
     with pytest.raises(ValueError, match="int4 needs"):
         Linear(w[:, :100], "int4")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_and_dequantize_rows(dtype):
+    g = torch.Generator().manual_seed(21)
+    x = (torch.randn(37, 96, generator=g) * torch.rand(37, 1, generator=g) * 5).to(dtype)
+    x[3] = 0  # an all-zero row keeps a finite scale
+    q, scale = ops.quantize_rows(x, kernels=True)
+    q_ref, scale_ref = ops.quantize_rows(x, kernels=False)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+    assert torch.allclose(scale, scale_ref) and scale[3] == 1.0
+    assert (q.int() - q_ref.int()).abs().max() <= 1  # rounding of exact halves may differ
+    assert rel(q.float() * scale[:, None], x) <= 1e-2
+    acc = torch.randint(-20000, 20000, (37, 64), generator=g, dtype=torch.int32)
+    col = torch.rand(64, generator=g) * 1e-3
+    for silu in (False, True):
+        out = ops.dequantize_rows(acc, scale_ref, col, silu, dtype, kernels=True)
+        ref = ops.dequantize_rows(acc, scale_ref, col, silu, torch.float32, kernels=False)
+        assert out.dtype == dtype and out.shape == (37, 32 if silu else 64)
+        assert rel(out, ref) <= TOL[dtype]
+
+
+def test_w8a8_linear_quantizes_activations_of_large_iterations_only():
+    g = torch.Generator().manual_seed(22)
+    w = (torch.randn(128, 96, generator=g) * 0.1).to(torch.bfloat16)
+    lin = Linear(w, "w8a8", quantize_activations=True, kernels=True)
+    plain = Linear(w, "w8a8", kernels=True)  # int8 weight-only for tiny iterations, else bfloat16
+    q, scale = quantize_int8(w)
+    dequantized = q.float() * scale.float()[:, None]
+    for rows in (1, QUANTIZED_MAX_ROWS["w8a8"] + 1, W8A8_MIN_ROWS, 300):
+        x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+        exact = torch.nn.functional.linear(x.float(), w.float())
+        assert rel(lin(x), exact) <= 2e-2 and rel(plain(x), exact) <= 2e-2
+        # Which path served: int8 x int8 equals the dequantized product of the quantized rows.
+        xq, xs = ops.quantize_rows(x, kernels=False)
+        both = torch.nn.functional.linear(xq.float() * xs[:, None], dequantized)
+        assert (rel(lin(x), both) <= 4e-3) == lin.uses_w8a8(rows) == (rows >= W8A8_MIN_ROWS)
+    x = torch.randn(64, 96, generator=g).to(torch.bfloat16)
+    gate, up = torch.nn.functional.linear(x.float(), w.float()).chunk(2, dim=-1)
+    assert rel(lin.silu_and_mul(x), torch.nn.functional.silu(gate) * up) <= 3e-2

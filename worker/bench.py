@@ -83,12 +83,14 @@ def prefill_throughput(engine: Engine, num: int, prompt_len: int) -> float:
 
 
 def quantization_perplexity(path: Path, engine: Engine, num_tokens: int) -> dict:
-    """Perplexity of `engine` (quantized) and of the same model unquantized, one token per
-    iteration over the first `num_tokens` tokens of the reference text."""
+    """Perplexity of `engine` (quantized) and of the same model unquantized over the first
+    `num_tokens` tokens of the reference text, one token per iteration (`decode`: the weight-only
+    path) and as one prompt (`prefill`: w8a8's int8 activations; unquantized otherwise)."""
     from dataclasses import replace
 
     from shoal.model_files import load_tokenizer
-    from worker.perplexity import REFERENCE_TEXT, decode_perplexity, reference_text
+    from worker.perplexity import (REFERENCE_TEXT, decode_perplexity, prefill_perplexity,
+                                   reference_text)
 
     ids = load_tokenizer(path).encode(reference_text(), add_special_tokens=False)[:num_tokens]
     reference = Engine.from_path(path, replace(engine.cfg, quantization="none",
@@ -96,7 +98,9 @@ def quantization_perplexity(path: Path, engine: Engine, num_tokens: int) -> dict
     return {"text": str(REFERENCE_TEXT), "tokens": len(ids),
             "reference_dtype": str(engine.cfg.dtype).removeprefix("torch."),
             "reference": decode_perplexity(reference, ids),
-            "quantized": decode_perplexity(engine, ids)}
+            "quantized": decode_perplexity(engine, ids),
+            "prefill_reference": prefill_perplexity(reference, ids),
+            "prefill_quantized": prefill_perplexity(engine, ids)}
 
 
 def transformers_static_batches(path: Path, dtype: torch.dtype, reqs: list[NewRequest],
@@ -188,9 +192,11 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
         table.add_row(f"decode tokens/s at batch {b}", f"{v:.1f}")
     table.add_row("single-stream decode tokens/s (128-token prompt, 128 out)", f"{single:.1f}")
     if quality:
-        table.add_row(f"perplexity {quality['tokens']} tokens of {quality['text']}",
-                      f"{cfg.quantization} {quality['quantized']:.3f} / "
-                      f"{quality['reference_dtype']} {quality['reference']:.3f}")
+        for path_name, key in (("one token per iteration", ""), ("as one prompt", "prefill_")):
+            table.add_row(f"perplexity, {quality['tokens']} tokens of {quality['text']} "
+                          f"{path_name}",
+                          f"{cfg.quantization} {quality[key + 'quantized']:.3f} / "
+                          f"{quality['reference_dtype']} {quality[key + 'reference']:.3f}")
     table.add_row("prefill tokens/s", f"{prefill:.0f}")
     table.add_row("quantization", cfg.quantization)
     table.add_row("C++ kernels", "yes" if engine.model.kernels else "no (torch path)")

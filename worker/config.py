@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, for iterations of a few rows (worker.linear)
+QUANTIZATIONS = ("none", "int8", "int4", "w8a8")  # see worker.linear
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,9 @@ class EngineConfig:
         max_num_batched_tokens: most tokens (prefill plus decode) in one iteration; longer
             prompts are prefilled in chunks over several iterations.
         max_model_len: the context window served, at most the model's own; None means the model's.
-        quantization: "none", or "int8" / "int4" for weight-only quantized matmuls in iterations
-            of a few rows (worker.linear); the bfloat16 weights serve larger iterations. CPU only.
+        quantization: "none"; "int8" / "int4" for weight-only quantized matmuls in iterations
+            of a few rows, the bfloat16 weights serving larger ones; "w8a8" for int8 weight-only
+            in small iterations and int8 activations in large ones (worker.linear). CPU only.
         fast_paths: use the C++ kernels (worker/ops.py) and oneDNN-prepacked weights
             (worker/linear.py) where available; False runs the plain torch reference everywhere.
         device: "cpu", "cuda" or "cuda:N"; None is CUDA where torch sees one, else the CPU.

@@ -51,8 +51,10 @@ class LlamaModel:
         cfg: model shape.
         weights: tensors keyed by Hugging Face names (see `worker.loader`), in the serving dtype.
         max_positions: size of the RoPE table in positions (the served context window).
-        quantization: "none", "int8" or "int4" (weight-only, for small iterations: see
-            worker.linear); under int4 the LM head takes int8.
+        quantization: "none", "int8" or "int4" (weight-only, for small iterations), or "w8a8"
+            (int8 weight-only for small iterations, int8 activations for the QKV and gate/up
+            projections of large ones); see worker.linear. The LM head takes int8 weight-only
+            under any of them.
         fast_paths: C++ kernels and prepacked weights where available (else the torch reference).
         device: where the weights live and the model runs.
         attention_backend: "auto", "torch" or "triton" (worker.attention.make_backend).
@@ -84,12 +86,13 @@ class LlamaModel:
         # (compute_logits); the projection itself may run on a packed or quantized copy.
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
         # Under int4 the LM head takes int8: SmolLM2 ships its tied embedding as Q8_0, and a 4-bit
-        # LM head cost 1% of perplexity (docs/engine.md).
-        self.lm_head_proj = Linear(self.lm_head, "int8" if quantization == "int4" else quantization,
+        # LM head cost 1% of perplexity (docs/engine.md). Under w8a8 it keeps bfloat16 activations.
+        self.lm_head_proj = Linear(self.lm_head, "none" if quantization == "none" else "int8",
                                    pack=fast_paths)
 
-        def linear(*names: str) -> Linear:
-            return Linear(torch.cat([weights[n] for n in names]), quantization, pack=fast_paths)
+        def linear(*names: str, quantize_activations: bool = False) -> Linear:
+            return Linear(torch.cat([weights[n] for n in names]), quantization, pack=fast_paths,
+                          quantize_activations=quantize_activations, kernels=self.kernels)
 
         self.layers = []
         for i in range(cfg.num_layers):
@@ -97,10 +100,12 @@ class LlamaModel:
             self.layers.append(
                 _Layer(
                     attn_norm=weights[p + "input_layernorm.weight"].float(),
-                    qkv=linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
+                    qkv=linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv"),
+                               quantize_activations=True),
                     o=linear(p + "self_attn.o_proj.weight"),
                     mlp_norm=weights[p + "post_attention_layernorm.weight"].float(),
-                    gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
+                                   quantize_activations=True),
                     down=linear(p + "mlp.down_proj.weight"),
                 )
             )
@@ -142,7 +147,7 @@ class LlamaModel:
             if self.tp is not None:
                 self.tp.all_reduce(o)  # row-parallel: the ranks' partial sums
             h = ops.add_rms_norm(x, o, layer.mlp_norm, eps, dt, kern)
-            delta = layer.down(ops.silu_and_mul(layer.gate_up(h), kern))
+            delta = layer.down(layer.gate_up.silu_and_mul(h))
             if self.tp is not None:
                 self.tp.all_reduce(delta)
         if delta is not None:

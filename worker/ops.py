@@ -65,6 +65,46 @@ def silu_and_mul_reference(gate_up):
     return (F.silu(gate) * up).to(gate_up.dtype)
 
 
+def quantize_rows(x: torch.Tensor, kernels: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row symmetric int8 (W8A8's activations): `x ≈ q * scale[:, None]`.
+
+    Args:
+        x: `[rows, width]` float32 or bfloat16 (contiguous for the kernel).
+
+    Returns:
+        `q` `[rows, width]` int8 in [-127, 127] and `scale` `[rows]` float32 (`max |x| / 127`;
+        1 for an all-zero row).
+    """
+    if kernels:
+        return torch.ops.shoal.quantize_rows(x)
+    xf = x.float()
+    m = xf.abs().amax(dim=1)
+    scale = torch.where(m > 0, m / 127.0, torch.ones_like(m))
+    return torch.round(xf / scale[:, None]).to(torch.int8), scale
+
+
+def dequantize_rows(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
+                    silu_and_mul: bool, dtype: torch.dtype, kernels: bool) -> torch.Tensor:
+    """An int8 x int8 matmul's result back in `dtype`: `acc * row_scale[:, None] * col_scale`,
+    and with `silu_and_mul` the SwiGLU product of its two halves (see `silu_and_mul`), in one pass.
+
+    Args:
+        acc: `[rows, width]` int32 accumulators.
+        row_scale: `[rows]` float32 (the activations', `quantize_rows`).
+        col_scale: `[width]` float32 (the weight's, per output channel).
+
+    Returns:
+        `[rows, width]`, or `[rows, width / 2]` with `silu_and_mul`, in `dtype`.
+    """
+    if kernels:
+        return torch.ops.shoal.dequantize_rows(acc, row_scale, col_scale, silu_and_mul, dtype)
+    out = acc.float() * row_scale[:, None] * col_scale[None, :]
+    if silu_and_mul:
+        gate, up = out.chunk(2, dim=-1)
+        out = F.silu(gate) * up
+    return out.to(dtype)
+
+
 def rope_cos_sin(theta: float, head_dim: int, max_positions: int) -> torch.Tensor:
     """RoPE table (Su et al. 2021) as transformers builds its angles: `[max_positions, head_dim]`
     float32, cos of the `head_dim / 2` frequencies in the first half of a row, sin in the second."""

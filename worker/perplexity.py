@@ -1,9 +1,10 @@
-"""Perplexity of a text under the engine's model, decoded one token per iteration.
+"""Perplexity of a text under the engine's model, on the two paths quantization changes.
 
-Feeding the text one token at a time (teacher forcing) runs every projection on a single row: the
-path single-stream decode takes, and the one `--quantization int8` changes (worker/linear.py), so
-this measures what int8 costs in quality where it is used. Perplexity is `exp(-mean log p(x_i |
-x_<i))` over the tokens after the first (Jelinek et al. 1977).
+`decode_perplexity` feeds the text one token per iteration (teacher forcing): every projection
+runs on a single row, the path of single-stream decode and of weight-only `--quantization`
+(worker/linear.py). `prefill_perplexity` feeds it as one prompt: projections run on many rows, the
+path of prefill and of `--quantization w8a8`'s int8 activations. Perplexity is
+`exp(-mean log p(x_i | x_<i))` over the tokens after the first (Jelinek et al. 1977).
 """
 
 from __future__ import annotations
@@ -61,6 +62,37 @@ def decode_perplexity(engine: Engine, token_ids: list[int]) -> float:
     finally:
         cache.release(table)
     return math.exp(nll / (len(token_ids) - 1))
+
+
+@torch.inference_mode()
+def prefill_perplexity(engine: Engine, token_ids: list[int]) -> float:
+    """Perplexity of `token_ids` (at least 2, at most the engine's window and
+    `max_num_batched_tokens`) fed as one prompt in one iteration, logits at every position.
+
+    Uses the engine's model and K/V cache directly (its blocks are returned at the end); the
+    engine must have no running requests.
+
+    Raises:
+        ValueError: a length outside those bounds, or requests are running.
+    """
+    n = len(token_ids)
+    if n < 2 or n > min(engine.max_model_len, engine.cfg.max_num_batched_tokens):
+        raise ValueError(f"need 2 to {min(engine.max_model_len, engine.cfg.max_num_batched_tokens)}"
+                         f" tokens, got {n}")
+    if engine.running:
+        raise ValueError("prefill_perplexity needs an idle engine")
+    model, cache = engine.model, engine.kv_cache
+    table: list[int] = []
+    try:
+        cache.grow(table, n)
+        meta = build_metadata([], [], [(table, 0, n)], cache.block_size, model.device)
+        hidden = model.forward(torch.tensor(token_ids, device=model.device),
+                               torch.arange(n, device=model.device), meta, cache)
+        logits, _ = model.compute_logits(hidden[:-1])
+    finally:
+        cache.release(table)
+    targets = torch.tensor(token_ids[1:], device=logits.device)
+    return math.exp(torch.nn.functional.cross_entropy(logits.float(), targets).item())
 
 
 def teacher_force(engine: Engine, params: dict[str, SamplingParams], token_ids: list[int],

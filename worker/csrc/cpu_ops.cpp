@@ -526,6 +526,102 @@ Tensor silu_and_mul(const Tensor& gate_up) {
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// W8A8: dynamic per-row int8 quantization of activations for int8 x int8 -> int32 matmuls
+// (torch._int_mm, AVX-512 VNNI: twice bfloat16's multiply-adds per instruction), with weights
+// quantized per output channel. The row scales are float32; results come back through
+// `acc[i, j] * row_scale[i] * col_scale[j]`.
+// ---------------------------------------------------------------------------------------------
+
+template <typename scalar_t>
+void quantize_rows_impl(const Tensor& x, Tensor& q, Tensor& scale) {
+  const int64_t n = x.size(0), k = x.size(1);
+  const scalar_t* xp = ptr<scalar_t>(x);
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const scalar_t* row = xp + i * k;
+      float m = 0.f;
+#pragma omp simd reduction(max : m)
+      for (int64_t e = 0; e < k; ++e) {
+        const float a = to_float(row[e]);
+        const float mag = a < 0.f ? -a : a;
+        m = mag > m ? mag : m;
+      }
+      const float s = m > 0.f ? m / 127.f : 1.f;
+      const float inv = 1.f / s;
+      sp[i] = s;
+      // Round half to even by the 1.5 * 2^23 trick (|v| <= 127 here): std::nearbyint did not
+      // vectorise.
+#pragma omp simd
+      for (int64_t e = 0; e < k; ++e) {
+        const float v = to_float(row[e]) * inv;
+        qp[i * k + e] = static_cast<int8_t>(static_cast<int32_t>((v + 12582912.f) - 12582912.f));
+      }
+    }
+  });
+}
+
+std::tuple<Tensor, Tensor> quantize_rows(const Tensor& x) {
+  check_cpu_contiguous(x, "x");
+  TORCH_CHECK(x.dim() == 2, "x [rows, width]");
+  Tensor q = at::empty(x.sizes(), x.options().dtype(at::kChar));
+  Tensor scale = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
+  dispatch_storage(x.scalar_type(), "quantize_rows", [&](auto* tag) {
+    using scalar_t = std::remove_pointer_t<decltype(tag)>;
+    quantize_rows_impl<scalar_t>(x, q, scale);
+  });
+  return {q, scale};
+}
+
+// out = acc * row_scale[:, None] * col_scale[None, :]; with `silu`, acc holds gate and up halves
+// and out = silu(gate) * up, both dequantized first (the SwiGLU product of silu_and_mul).
+template <typename scalar_t>
+void dequantize_rows_impl(Tensor& out, const Tensor& acc, const Tensor& row_scale,
+                          const Tensor& col_scale, bool silu) {
+  const int64_t n = acc.size(0), width = acc.size(1), w = out.size(1);
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const float* rs = row_scale.data_ptr<float>();
+  const float* cs = col_scale.data_ptr<float>();
+  scalar_t* op = ptr<scalar_t>(out);
+  at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int32_t* a = ap + i * width;
+      scalar_t* o = op + i * w;
+      const float r = rs[i];
+      if (silu) {
+#pragma omp simd
+        for (int64_t e = 0; e < w; ++e) {
+          const float g = static_cast<float>(a[e]) * (r * cs[e]);
+          const float u = static_cast<float>(a[w + e]) * (r * cs[w + e]);
+          o[e] = from_float<scalar_t>(g / (1.f + fast_exp(-g)) * u);
+        }
+      } else {
+#pragma omp simd
+        for (int64_t e = 0; e < w; ++e) o[e] = from_float<scalar_t>(static_cast<float>(a[e]) * (r * cs[e]));
+      }
+    }
+  });
+}
+
+Tensor dequantize_rows(const Tensor& acc, const Tensor& row_scale, const Tensor& col_scale,
+                       bool silu_and_mul, at::ScalarType out_dtype) {
+  for (auto* p : {&acc, &row_scale, &col_scale}) check_cpu_contiguous(*p, "dequantize_rows argument");
+  TORCH_CHECK(acc.dim() == 2 && acc.scalar_type() == at::kInt, "acc [rows, width] int32");
+  TORCH_CHECK(row_scale.scalar_type() == at::kFloat && col_scale.scalar_type() == at::kFloat &&
+                  row_scale.numel() == acc.size(0) && col_scale.numel() == acc.size(1),
+              "float32 scales, one per row and one per column");
+  TORCH_CHECK(!silu_and_mul || acc.size(1) % 2 == 0, "silu_and_mul needs [rows, 2 * intermediate]");
+  Tensor out = at::empty({acc.size(0), silu_and_mul ? acc.size(1) / 2 : acc.size(1)},
+                         acc.options().dtype(out_dtype));
+  dispatch_storage(out_dtype, "dequantize_rows", [&](auto* tag) {
+    using scalar_t = std::remove_pointer_t<decltype(tag)>;
+    dequantize_rows_impl<scalar_t>(out, acc, row_scale, col_scale, silu_and_mul);
+  });
+  return out;
+}
+
 // RoPE (Su et al., 2021) in the "rotate half" layout, in place on the query and key heads of the
 // fused QKV output: for each head, x1 = x[:D/2], x2 = x[D/2:];
 // x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin. cos_sin is [max_positions, D] float32 holding
@@ -639,6 +735,9 @@ TORCH_LIBRARY(shoal, m) {
         "Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps, ScalarType out_dtype) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
+  m.def("dequantize_rows(Tensor acc, Tensor row_scale, Tensor col_scale, bool silu_and_mul, "
+        "ScalarType out_dtype) -> Tensor");
   m.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
   m.def("rope_(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, int num_heads, int head_dim) -> ()");
 }
@@ -648,6 +747,8 @@ TORCH_LIBRARY_IMPL(shoal, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("quantize_rows", &quantize_rows);
+  m.impl("dequantize_rows", &dequantize_rows);
   m.impl("topk_rows", &topk_rows);
   m.impl("rope_", &rope_);
 }
