@@ -12,8 +12,13 @@ from tests.conftest import make_engine
 from worker import cpu_ops
 from worker.loader import load_model
 from worker.offline import generate
-from worker.perplexity import (REFERENCE_TEXT, decode_perplexity, prefill_perplexity,
-                              reference_text, teacher_force)
+from worker.perplexity import (
+    REFERENCE_TEXT,
+    decode_perplexity,
+    prefill_perplexity,
+    reference_text,
+    teacher_force,
+)
 
 # Quantized perplexity at most this far above bfloat16's (docs/engine.md): weight-only within 2%;
 # w8a8's int8 activations measured +1.8% (512 tokens) and +2.2% (1,024 tokens) as one prompt.

@@ -7,8 +7,7 @@ import torch
 
 from worker import cpu_ops, ops
 from worker.attention import TorchAttention, build_metadata, decode_attention_reference, write_kv
-from worker.linear import (QUANTIZED_MAX_ROWS, W8A8_MIN_ROWS, Linear, quantize_int4,
-                           quantize_int8)
+from worker.linear import QUANTIZED_MAX_ROWS, W8A8_MIN_ROWS, Linear, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the C++ kernels did not build here")
 

@@ -89,8 +89,12 @@ def quantization_perplexity(path: Path, engine: Engine, num_tokens: int) -> dict
     from dataclasses import replace
 
     from shoal.model_files import load_tokenizer
-    from worker.perplexity import (REFERENCE_TEXT, decode_perplexity, prefill_perplexity,
-                                   reference_text)
+    from worker.perplexity import (
+        REFERENCE_TEXT,
+        decode_perplexity,
+        prefill_perplexity,
+        reference_text,
+    )
 
     ids = load_tokenizer(path).encode(reference_text(), add_special_tokens=False)[:num_tokens]
     reference = Engine.from_path(path, replace(engine.cfg, quantization="none",
