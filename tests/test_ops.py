@@ -257,3 +257,26 @@ def test_w8a8_linear_quantizes_activations_of_large_iterations_only():
     x = torch.randn(64, 96, generator=g).to(torch.bfloat16)
     gate, up = torch.nn.functional.linear(x.float(), w.float()).chunk(2, dim=-1)
     assert rel(lin.silu_and_mul(x), torch.nn.functional.silu(gate) * up) <= 3e-2
+
+
+@pytest.mark.skipif(not ops.int8_gemv_available(), reason="the kernels were built without VNNI")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 6])
+def test_int8_gemv_is_int8_activations_times_int8_weights(dtype, rows):
+    g = torch.Generator().manual_seed(23 + rows)
+    w = (torch.randn(200, 128, generator=g) * 0.1).to(torch.bfloat16)
+    q, scale = quantize_int8(w)
+    x = (torch.randn(rows, 128, generator=g) * 3).to(dtype)
+    y = torch.ops.shoal.int8_gemv(x, q, scale.float(), q.sum(dim=1, dtype=torch.int32))
+    xq, xs = ops.quantize_rows(x, kernels=False)
+    ref = torch.nn.functional.linear(xq.float() * xs[:, None], q.float() * scale.float()[:, None])
+    assert y.dtype == dtype and y.shape == (rows, 200)
+    assert rel(y, ref) <= TOL[dtype]
+    # In float32 the kernel's result is exact, which tells it from the plain weight's.
+    w32 = w.float()
+    q, scale = quantize_int8(w32)
+    lin = Linear(w32, "int8", kernels=True)
+    assert lin.vnni and lin.max_quantized_rows >= 4
+    xq, xs = ops.quantize_rows(x.float(), kernels=False)
+    ref = torch.nn.functional.linear(xq.float() * xs[:, None], q * scale[:, None])
+    assert (rel(lin(x.float()), ref) <= 1e-5) == (rows <= lin.max_quantized_rows)

@@ -45,6 +45,7 @@ from worker.config import QUANTIZATIONS
 
 # The most rows an iteration may have for the quantized kernel to beat bfloat16 (table above).
 QUANTIZED_MAX_ROWS = {"int8": 2, "int4": 4, "w8a8": 2}
+VNNI_INT8_MAX_ROWS = 4  # int8 weights through shoal::int8_gemv beat bfloat16 up to here (8: even)
 W8A8_MIN_ROWS = 16  # int8 x int8 matmuls beat bfloat16 from here (measured: 17 yes, 8 no)
 INT4_GROUP_SIZE = 32  # GGUF's Q4_0 / Q4_1 block
 
@@ -128,15 +129,23 @@ class Linear:
         self.quantization = quantization
         self.max_quantized_rows = QUANTIZED_MAX_ROWS.get(quantization, 0)
         self.quantized: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.kernels = kernels
+        # int8 weights go through the VNNI kernel where it is built (`ops.int8_gemv`): then
+        # `quantized` also holds float32 scales and each channel's weight sum.
+        self.vnni = False
         if quantization in ("int8", "w8a8"):
-            self.quantized = quantize_int8(weight)
+            q, scale = quantize_int8(weight)
+            self.quantized = (q, scale)
+            self.vnni = kernels and ops.int8_gemv_available() and self.in_features % 64 == 0
+            if self.vnni:
+                self.quantized = (q, scale.float(), q.sum(dim=1, dtype=torch.int32))
+                self.max_quantized_rows = VNNI_INT8_MAX_ROWS
         elif quantization == "int4":
             self.quantized = quantize_int4(weight)
-        self.kernels = kernels
         # `[in, out]` int8 (a transposed view: what torch._int_mm takes) and `[out]` float32 scales.
         self.w8a8: tuple[torch.Tensor, torch.Tensor] | None = None
         if quantization == "w8a8" and quantize_activations:
-            q, scale = self.quantized
+            q, scale = self.quantized[:2]
             self.w8a8 = (q.t(), scale.float())
         self.packed = None
         self.weight: torch.Tensor | None = weight
@@ -148,6 +157,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`x` `[rows, in_features]` -> `[rows, out_features]`, both in the serving dtype."""
         if x.shape[0] <= self.max_quantized_rows:
+            if self.vnni:
+                return torch.ops.shoal.int8_gemv(x, *self.quantized)
             q, scale = self.quantized
             if self.quantization == "int4":
                 return torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, INT4_GROUP_SIZE, scale)

@@ -88,7 +88,7 @@ class LlamaModel:
         # Under int4 the LM head takes int8: SmolLM2 ships its tied embedding as Q8_0, and a 4-bit
         # LM head cost 1% of perplexity (docs/engine.md). Under w8a8 it keeps bfloat16 activations.
         self.lm_head_proj = Linear(self.lm_head, "none" if quantization == "none" else "int8",
-                                   pack=fast_paths)
+                                   pack=fast_paths, kernels=self.kernels)
 
         def linear(*names: str, quantize_activations: bool = False) -> Linear:
             return Linear(torch.cat([weights[n] for n in names]), quantization, pack=fast_paths,

@@ -65,6 +65,12 @@ def silu_and_mul_reference(gate_up):
     return (F.silu(gate) * up).to(gate_up.dtype)
 
 
+def int8_gemv_available() -> bool:
+    """True when the C++ kernels were built with AVX-512 VNNI, which `shoal::int8_gemv` needs
+    (worker/linear.py uses it for int8 weights in iterations of a few rows)."""
+    return cpu_ops.load() and hasattr(torch.ops.shoal, "int8_gemv")
+
+
 def quantize_rows(x: torch.Tensor, kernels: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-row symmetric int8 (W8A8's activations): `x ≈ q * scale[:, None]`.
 

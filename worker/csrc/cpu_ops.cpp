@@ -622,6 +622,93 @@ Tensor dequantize_rows(const Tensor& acc, const Tensor& row_scale, const Tensor&
   return out;
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Weight-only int8 matmul for iterations of a few rows, where a step is bound by reading weights:
+// the rows of x are quantized to int8 on the fly (per row, as llama.cpp's Q8 activations) and
+// multiplied by the int8 weight with VNNI (vpdpbusd: 64 multiply-adds of unsigned x signed bytes
+// per instruction), each weight byte loaded once for all rows. vpdpbusd takes the activations
+// unsigned: they are stored as q + 128, and 128 * sum(w[n, :]) (w_sum) is taken off again.
+//   y[i, n] = x_scale[i] * w_scale[n] * (sum_k (q[i, k] + 128) * w[n, k] - 128 * w_sum[n])
+template <int64_t M, typename scalar_t>
+void int8_gemv_rows(const uint8_t* xu, const float* x_scale, const int8_t* w, const float* w_scale,
+                    const int32_t* w_sum, scalar_t* y, int64_t k, int64_t n, int64_t begin,
+                    int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const int8_t* wr = w + r * k;
+    __m512i acc[M];
+    for (int64_t i = 0; i < M; ++i) acc[i] = _mm512_setzero_si512();
+    for (int64_t c = 0; c < k; c += 64) {
+      const __m512i wv = _mm512_loadu_si512(wr + c);
+      for (int64_t i = 0; i < M; ++i)
+        acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_loadu_si512(xu + i * k + c), wv);
+    }
+    for (int64_t i = 0; i < M; ++i)
+      y[i * n + r] = from_float<scalar_t>(
+          x_scale[i] * w_scale[r] *
+          static_cast<float>(_mm512_reduce_add_epi32(acc[i]) - 128 * w_sum[r]));
+  }
+}
+
+template <typename scalar_t>
+void int8_gemv_impl(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& w_scale,
+                    const Tensor& w_sum) {
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  const scalar_t* xp = ptr<scalar_t>(x);
+  std::vector<uint8_t> xu(m * k);
+  std::vector<float> xs(m);
+  for (int64_t i = 0; i < m; ++i) {
+    const scalar_t* row = xp + i * k;
+    float mx = 0.f;
+#pragma omp simd reduction(max : mx)
+    for (int64_t e = 0; e < k; ++e) {
+      const float a = to_float(row[e]);
+      const float mag = a < 0.f ? -a : a;
+      mx = mag > mx ? mag : mx;
+    }
+    xs[i] = mx > 0.f ? mx / 127.f : 1.f;
+    const float inv = 1.f / xs[i];
+#pragma omp simd
+    for (int64_t e = 0; e < k; ++e) {
+      const float v = to_float(row[e]) * inv;  // round half to even, as in quantize_rows
+      xu[i * k + e] = static_cast<uint8_t>(static_cast<int32_t>((v + 12582912.f) - 12582912.f) + 128);
+    }
+  }
+  scalar_t* yp = ptr<scalar_t>(y);
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* wsp = w_scale.data_ptr<float>();
+  const int32_t* sump = w_sum.data_ptr<int32_t>();
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i0 = 0; i0 < m; i0 += 4) {  // weights are read once per 4 rows of x
+      const uint8_t* xi = xu.data() + i0 * k;
+      const float* si = xs.data() + i0;
+      scalar_t* yi = yp + i0 * n;
+      switch (std::min<int64_t>(m - i0, 4)) {
+        case 1: int8_gemv_rows<1>(xi, si, wp, wsp, sump, yi, k, n, begin, end); break;
+        case 2: int8_gemv_rows<2>(xi, si, wp, wsp, sump, yi, k, n, begin, end); break;
+        case 3: int8_gemv_rows<3>(xi, si, wp, wsp, sump, yi, k, n, begin, end); break;
+        default: int8_gemv_rows<4>(xi, si, wp, wsp, sump, yi, k, n, begin, end); break;
+      }
+    }
+  });
+}
+
+Tensor int8_gemv(const Tensor& x, const Tensor& w, const Tensor& w_scale, const Tensor& w_sum) {
+  for (auto* p : {&x, &w, &w_scale, &w_sum}) check_cpu_contiguous(*p, "int8_gemv argument");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && w.size(1) % 64 == 0,
+              "x [rows, K] and w [N, K] with K a multiple of 64");
+  TORCH_CHECK(w.scalar_type() == at::kChar && w_scale.scalar_type() == at::kFloat &&
+                  w_sum.scalar_type() == at::kInt && w_scale.numel() == w.size(0) &&
+                  w_sum.numel() == w.size(0),
+              "int8 w, float32 w_scale and int32 w_sum, one per output channel");
+  Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+  dispatch_storage(x.scalar_type(), "int8_gemv", [&](auto* tag) {
+    using scalar_t = std::remove_pointer_t<decltype(tag)>;
+    int8_gemv_impl<scalar_t>(y, x, w, w_scale, w_sum);
+  });
+  return y;
+}
+#endif
+
 // RoPE (Su et al., 2021) in the "rotate half" layout, in place on the query and key heads of the
 // fused QKV output: for each head, x1 = x[:D/2], x2 = x[D/2:];
 // x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin. cos_sin is [max_positions, D] float32 holding
@@ -736,6 +823,9 @@ TORCH_LIBRARY(shoal, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps, ScalarType out_dtype) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  m.def("int8_gemv(Tensor x, Tensor w, Tensor w_scale, Tensor w_sum) -> Tensor");
+#endif
   m.def("dequantize_rows(Tensor acc, Tensor row_scale, Tensor col_scale, bool silu_and_mul, "
         "ScalarType out_dtype) -> Tensor");
   m.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
@@ -748,6 +838,9 @@ TORCH_LIBRARY_IMPL(shoal, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("quantize_rows", &quantize_rows);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  m.impl("int8_gemv", &int8_gemv);
+#endif
   m.impl("dequantize_rows", &dequantize_rows);
   m.impl("topk_rows", &topk_rows);
   m.impl("rope_", &rope_);
