@@ -10,28 +10,37 @@ for the number of rows an iteration brings.
   1,624 -> 639 µs, 2,048 rows 41 -> 17 ms; relative difference to `F.linear` about 3e-6.
 - **Weight-only quantization for small iterations** (`--quantization`), where a step is bound by
   reading weights. Measured on an AMD EPYC, all 120 SmolLM2 projections with weights out of cache
-  (2 threads), bfloat16 prepacked / int8 / int4, ms per step:
+  (2 threads), ms per step (identical runs on this shared host vary by up to 1.5x):
 
-  | rows | 1 | 4 | 8 | 16 |
-  | --- | --- | --- | --- | --- |
-  | bfloat16 | 13.0 | 9.6 | 11.4 | 14.4 |
-  | int8 (`aten._weight_int8pack_mm`, per-output-channel scales) | 8.3 | 11.4 | 20.6 | 32.1 |
-  | int4 (`aten._weight_int4pack_mm_for_cpu`, groups of 32 with scale and zero) | 4.0 | 6.5 | 11.2 | 21.2 |
+  | rows | 1 | 2 | 4 | 8 | 16 |
+  | --- | --- | --- | --- | --- | --- |
+  | bfloat16 prepacked | 13.0 | | 9.6 | 11.4 | 14.4 |
+  | int8, `aten._weight_int8pack_mm` (per-output-channel scales) | 8.3-10.5 | 11.3 | 11.4 | 20.6-21.8 | 32.1 |
+  | int8, `shoal::int8_gemv` (VNNI, int8 activations) | 5.0 | 4.6 | 5.3 | 10.1 | |
+  | int4, `aten._weight_int4pack_mm_for_cpu` (groups of 32, scale and zero) | 4.0-4.8 | 5.7 | 6.5-7.7 | 11.2 | 21.2 |
 
-  so int8 serves iterations of at most 2 rows and int4 at most 4; larger ones use the bfloat16
-  weight, kept next to the quantized copy. int4 in groups of 32 with a scale and a minimum is
-  GGUF's Q4_1, the format SmolLM2's projections ship in: quantizing the dequantized Q4_1 weights
-  again by each group's minimum and maximum gives back the file's own 4-bit levels (Q4_1's
-  quantizer sets them from the same minimum and maximum), so int4 serves those weights as shipped,
-  up to the rounding of scales to bfloat16.
+  so int8 serves iterations of at most 4 rows through `shoal::int8_gemv` where the kernels were
+  built with VNNI (else 2, through torch's kernel), and int4 at most 4; larger ones use the
+  bfloat16 weight, kept next to the quantized copy. `shoal::int8_gemv` quantizes each row of the
+  activations to int8 on the fly (as llama.cpp's Q8 activations) and multiplies with vpdpbusd;
+  the SmolLM2 LM head at 1 row: 2.5 -> 0.6 ms. A VNNI kernel for the int4 levels (int8
+  activations, Q4_1's scales and minimums as float16) measured no better than torch's int4
+  kernel (3.96-4.6 against 4.6-4.8 ms at 1 row; single-stream decode 111-115 against 117-119
+  tokens/s in the engine) and was not kept.
+
+  int4 in groups of 32 with a scale and a minimum is GGUF's Q4_1, the format SmolLM2's
+  projections ship in: quantizing the dequantized Q4_1 weights again by each group's minimum and
+  maximum gives back the file's own 4-bit levels (Q4_1's quantizer sets them from the same
+  minimum and maximum), so int4 serves those weights as shipped, up to the rounding of scales to
+  bfloat16.
 - **W8A8 for large iterations** (`--quantization w8a8`): activations quantized per row on the
   fly, weights per output channel, `torch._int_mm` (AVX-512 VNNI: twice bfloat16's multiply-adds
   per instruction), dequantized in one pass (fused with SwiGLU's product for gate/up). Measured on
   the EPYC, 2 threads: `[2048, 576] x [576, 3072]` 17.3 -> 8.8 ms, `[64, 576] x [576, 960]` 0.19
   -> 0.10 ms; no gain at 8 rows. Only the QKV and gate/up projections take it (their inputs are
-  RMSNorm outputs): with O and down as well, perplexity rose 4.6%, with these two alone 1.0%
-  (1,024 tokens of GPL-3 prefilled at once, against bfloat16). Iterations of at most 2 rows use
-  int8 weight-only, as `int8` does.
+  RMSNorm outputs): prefilling 512 tokens of GPL-3 at once, perplexity rose 1.8% over bfloat16
+  (QKV alone: within noise; gate/up alone: 1.2%; with O and down as well: 4.6% on 1,024 tokens).
+  Iterations of at most 4 rows use int8 weight-only, as `int8` does.
 - Plain `F.linear` otherwise (float16, another device, or no oneDNN).
 """
 
