@@ -64,6 +64,19 @@ def test_bench_engine_quick_writes_its_json(tmp_path):
     assert "generated tokens/s" in r.stdout
 
 
+def test_bench_engine_quick_reports_the_cost_of_quantization(tmp_path):
+    out = tmp_path / "engine-w8a8.json"
+    r = _shoal("bench", "engine", "--quick", "--no-baseline", "--quantization", "w8a8",
+               "--output", str(out), timeout=600)
+    assert r.returncode == 0, r.stderr
+    figures = json.loads(out.read_text())
+    assert figures["quantization"] == "w8a8" and figures["transformers_static_batch8"] is None
+    quality = figures["perplexity"]
+    for key in ("reference", "quantized", "prefill_reference", "prefill_quantized"):
+        assert 1.0 < quality[key] < 1000.0, quality  # perplexities of a real model on real text
+    assert r.stdout.count("perplexity") == 2  # one token per iteration, and as one prompt
+
+
 def test_bench_scheduler_writes_its_figures(tmp_path):
     out = tmp_path / "scheduler.json"
     r = subprocess.run([*shoal_command(), "bench", "scheduler", "--workers", "1,8",
