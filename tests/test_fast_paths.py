@@ -94,9 +94,9 @@ def test_quantization_is_deterministic_and_within_its_perplexity_bound(bf16_mode
                for q in ("none", quantization)}
     # One token per iteration (the weight-only path) and the whole text as one prompt (w8a8's
     # int8 activations).
-    decode = {q: decode_perplexity(e, ids[:160]) for q, e in engines.items()}
+    decode = {q: decode_perplexity(e, ids[:320]) for q, e in engines.items()}
     prefill = {q: prefill_perplexity(e, ids) for q, e in engines.items()}
-    print(f"perplexity on {REFERENCE_TEXT}: one token per iteration (160 tokens) bfloat16 "
+    print(f"perplexity on {REFERENCE_TEXT}: one token per iteration (320 tokens) bfloat16 "
           f"{decode['none']:.3f}, {quantization} {decode[quantization]:.3f}; one prompt (512 "
           f"tokens) bfloat16 {prefill['none']:.3f}, {quantization} {prefill[quantization]:.3f}")
     for ppl in (decode, prefill):

@@ -275,7 +275,7 @@ def test_int8_gemv_is_int8_activations_times_int8_weights(dtype, rows):
     # In float32 the kernel's result is exact, which tells it from the plain weight's.
     w32 = w.float()
     q, scale = quantize_int8(w32)
-    lin = Linear(w32, "int8", kernels=True)
+    lin = Linear(w32, "int8", int8_gemv=True, kernels=True)
     assert lin.vnni and lin.max_quantized_rows >= 4
     xq, xs = ops.quantize_rows(x.float(), kernels=False)
     ref = torch.nn.functional.linear(xq.float() * xs[:, None], q * scale[:, None])

@@ -19,14 +19,16 @@ for the number of rows an iteration brings.
   | int8, `shoal::int8_gemv` (VNNI, int8 activations) | 5.0 | 4.6 | 5.3 | 10.1 | |
   | int4, `aten._weight_int4pack_mm_for_cpu` (groups of 32, scale and zero) | 4.0-4.8 | 5.7 | 6.5-7.7 | 11.2 | 21.2 |
 
-  so int8 serves iterations of at most 4 rows through `shoal::int8_gemv` where the kernels were
-  built with VNNI (else 2, through torch's kernel), and int4 at most 4; larger ones use the
-  bfloat16 weight, kept next to the quantized copy. `shoal::int8_gemv` quantizes each row of the
-  activations to int8 on the fly (as llama.cpp's Q8 activations) and multiplies with vpdpbusd;
-  the SmolLM2 LM head at 1 row: 2.5 -> 0.6 ms. A VNNI kernel for the int4 levels (int8
-  activations, Q4_1's scales and minimums as float16) measured no better than torch's int4
-  kernel (3.96-4.6 against 4.6-4.8 ms at 1 row; single-stream decode 111-115 against 117-119
-  tokens/s in the engine) and was not kept.
+  so int8 weights serve iterations of at most 2 rows through torch's kernel, and int4 at most 4;
+  larger ones use the bfloat16 weight, kept next to the quantized copy. `shoal::int8_gemv`
+  quantizes each row of the activations to int8 on the fly (as llama.cpp's Q8 activations) and
+  multiplies with vpdpbusd, up to 4 rows. It serves the LM head under any quantization
+  (SmolLM2's at 1 row: 2.5 -> 0.6 ms), where greedy tokens are recomputed exactly anyway. On the
+  projections, int8 activations cost perplexity one token per iteration (512 tokens: 19.16
+  against 18.86 on all four; 160 tokens: +4.6% on QKV and gate/up alone), so they keep weight-only
+  int8. A VNNI kernel for the int4 levels (int8 activations, Q4_1's scales and minimums as
+  float16) measured no better than torch's int4 kernel (3.96-4.6 against 4.6-4.8 ms at 1 row;
+  single-stream decode 111-115 against 117-119 tokens/s in the engine) and was not kept.
 
   int4 in groups of 32 with a scale and a minimum is GGUF's Q4_1, the format SmolLM2's
   projections ship in: quantizing the dequantized Q4_1 weights again by each group's minimum and
@@ -40,7 +42,7 @@ for the number of rows an iteration brings.
   -> 0.10 ms; no gain at 8 rows. Only the QKV and gate/up projections take it (their inputs are
   RMSNorm outputs): prefilling 512 tokens of GPL-3 at once, perplexity rose 1.8% over bfloat16
   (QKV alone: within noise; gate/up alone: 1.2%; with O and down as well: 4.6% on 1,024 tokens).
-  Iterations of at most 4 rows use int8 weight-only, as `int8` does.
+  Iterations of at most 2 rows use int8 weight-only, as `int8` does.
 - Plain `F.linear` otherwise (float16, another device, or no oneDNN).
 """
 
@@ -121,7 +123,9 @@ class Linear:
         pack: hold a oneDNN prepacked copy for bfloat16 or float32 on the CPU (the plain weight is
             then dropped).
         quantize_activations: under "w8a8", iterations of at least W8A8_MIN_ROWS rows quantize
-            their activations and run int8 x int8.
+            their activations and run int8 x int8 (`torch._int_mm`).
+        int8_gemv: int8 weights serve iterations of a few rows through `shoal::int8_gemv`
+            (int8 activations; where the kernels were built with VNNI) instead of weight-only.
         kernels: the C++ kernels quantize and dequantize activations (`worker.ops`).
 
     Raises:
@@ -131,7 +135,8 @@ class Linear:
     PACK_ROWS_HINT = 64  # the batch size oneDNN chooses its weight layout for
 
     def __init__(self, weight: torch.Tensor, quantization: str = "none", pack: bool = True,
-                 quantize_activations: bool = False, kernels: bool = False) -> None:
+                 quantize_activations: bool = False, int8_gemv: bool = False,
+                 kernels: bool = False) -> None:
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         self.out_features, self.in_features = weight.shape
@@ -145,7 +150,8 @@ class Linear:
         if quantization in ("int8", "w8a8"):
             q, scale = quantize_int8(weight)
             self.quantized = (q, scale)
-            self.vnni = kernels and ops.int8_gemv_available() and self.in_features % 64 == 0
+            self.vnni = (int8_gemv and kernels and ops.int8_gemv_available()
+                         and self.in_features % 64 == 0)
             if self.vnni:
                 self.quantized = (q, scale.float(), q.sum(dim=1, dtype=torch.int32))
                 self.max_quantized_rows = VNNI_INT8_MAX_ROWS

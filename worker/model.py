@@ -86,9 +86,10 @@ class LlamaModel:
         # (compute_logits); the projection itself may run on a packed or quantized copy.
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
         # Under int4 the LM head takes int8: SmolLM2 ships its tied embedding as Q8_0, and a 4-bit
-        # LM head cost 1% of perplexity (docs/engine.md). Under w8a8 it keeps bfloat16 activations.
+        # LM head cost 1% of perplexity (docs/engine.md). Its int8 activations in small iterations
+        # (shoal::int8_gemv) cost no greedy token: the refinement below recomputes the best ones.
         self.lm_head_proj = Linear(self.lm_head, "none" if quantization == "none" else "int8",
-                                   pack=fast_paths, kernels=self.kernels)
+                                   pack=fast_paths, int8_gemv=True, kernels=self.kernels)
 
         def linear(*names: str, quantize_activations: bool = False) -> Linear:
             return Linear(torch.cat([weights[n] for n in names]), quantization, pack=fast_paths,
@@ -101,11 +102,11 @@ class LlamaModel:
                 _Layer(
                     attn_norm=weights[p + "input_layernorm.weight"].float(),
                     qkv=linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv"),
-                               quantize_activations=True),
+                               quantize_activations=quantization == "w8a8"),
                     o=linear(p + "self_attn.o_proj.weight"),
                     mlp_norm=weights[p + "post_attention_layernorm.weight"].float(),
                     gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
-                                   quantize_activations=True),
+                                   quantize_activations=quantization == "w8a8"),
                     down=linear(p + "mlp.down_proj.weight"),
                 )
             )
