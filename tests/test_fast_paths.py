@@ -82,23 +82,31 @@ def test_bfloat16_fast_paths_are_as_close_to_float32_as_the_torch_path(fp32_mode
     assert agree[True] >= agree[False] - 0.02, agree
 
 
+def _perplexities(model, tokenizer, quantization: str) -> tuple[float, float]:
+    """Perplexity of GPL-3 one token per iteration (320 tokens: the weight-only path) and as one
+    prompt (512 tokens: w8a8's int8 activations)."""
+    ids = tokenizer.encode(reference_text(), add_special_tokens=False)[:512]
+    engine = make_engine(model, dtype=torch.bfloat16, quantization=quantization)
+    return decode_perplexity(engine, ids[:320]), prefill_perplexity(engine, ids)
+
+
+@pytest.fixture(scope="module")
+def bf16_perplexities(bf16_model, tokenizer):
+    return _perplexities(bf16_model, tokenizer, "none")
+
+
 @pytest.mark.skipif(not REFERENCE_TEXT.exists(), reason=f"{REFERENCE_TEXT} is not on this machine")
 @pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8"])
 def test_quantization_is_deterministic_and_within_its_perplexity_bound(bf16_model, tokenizer,
+                                                                       bf16_perplexities,
                                                                        quantization):
     once = _run(bf16_model, tokenizer, dtype=torch.bfloat16, quantization=quantization)
     again = _run(bf16_model, tokenizer, dtype=torch.bfloat16, quantization=quantization)
     assert once == again
-    ids = tokenizer.encode(reference_text(), add_special_tokens=False)[:512]
-    engines = {q: make_engine(bf16_model, dtype=torch.bfloat16, quantization=q)
-               for q in ("none", quantization)}
-    # One token per iteration (the weight-only path) and the whole text as one prompt (w8a8's
-    # int8 activations).
-    decode = {q: decode_perplexity(e, ids[:320]) for q, e in engines.items()}
-    prefill = {q: prefill_perplexity(e, ids) for q, e in engines.items()}
-    print(f"perplexity on {REFERENCE_TEXT}: one token per iteration (320 tokens) bfloat16 "
-          f"{decode['none']:.3f}, {quantization} {decode[quantization]:.3f}; one prompt (512 "
-          f"tokens) bfloat16 {prefill['none']:.3f}, {quantization} {prefill[quantization]:.3f}")
-    for ppl in (decode, prefill):
-        assert 1.0 < ppl["none"] < 100.0  # a real model on real text, not noise
-        assert ppl[quantization] <= ppl["none"] * PERPLEXITY_BOUND[quantization]
+    quantized = _perplexities(bf16_model, tokenizer, quantization)
+    print(f"perplexity on {REFERENCE_TEXT}, one token per iteration / one prompt: bfloat16 "
+          f"{bf16_perplexities[0]:.3f} / {bf16_perplexities[1]:.3f}, {quantization} "
+          f"{quantized[0]:.3f} / {quantized[1]:.3f}")
+    for reference, ppl in zip(bf16_perplexities, quantized):
+        assert 1.0 < reference < 100.0  # a real model on real text, not noise
+        assert ppl <= reference * PERPLEXITY_BOUND[quantization]
