@@ -5,8 +5,9 @@ output lengths uniform in [1, 64], forced (`ignore_eos`), greedy, seeded. The sa
 through transformers `generate` in static batches of 8 (request-level batching: a batch runs until
 its longest request is done; the Orca paper's baseline), in the same process and dtype. The run also
 times decode iterations at batch 1, 8, 32 and 64, single-stream decode (a 128-token prompt, 128
-tokens out) and one prefill iteration. With `--quantization int8|int4` it also reports perplexity on a
-real text for int8 against bfloat16 (worker/perplexity.py).
+tokens out) and one prefill iteration. With `--quantization` it also reports the perplexity of a
+real text, quantized against unquantized, one token per iteration and as one prompt
+(worker/perplexity.py).
 """
 
 from __future__ import annotations

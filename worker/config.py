@@ -117,7 +117,7 @@ class EngineConfig:
                 raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.quantization != "none" and (self.device or default_device()) != "cpu":
             raise ValueError(f"--quantization {self.quantization} runs on the CPU only (its "
-                             "kernels are torch's CPU weight-only matmuls)")
+                             "kernels are CPU ones)")
         if not 0.0 < self.kv_cache_memory_fraction < 1.0:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1)")
 

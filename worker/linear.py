@@ -142,10 +142,10 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.quantization = quantization
         self.max_quantized_rows = QUANTIZED_MAX_ROWS.get(quantization, 0)
-        self.quantized: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.quantized: tuple[torch.Tensor, ...] | None = None
         self.kernels = kernels
-        # int8 weights go through the VNNI kernel where it is built (`ops.int8_gemv`): then
-        # `quantized` also holds float32 scales and each channel's weight sum.
+        # With `int8_gemv` (and the kernel built), few-row iterations go through
+        # `shoal::int8_gemv`: then `quantized` holds float32 scales and each channel's weight sum.
         self.vnni = False
         if quantization in ("int8", "w8a8"):
             q, scale = quantize_int8(weight)

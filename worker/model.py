@@ -53,8 +53,8 @@ class LlamaModel:
         max_positions: size of the RoPE table in positions (the served context window).
         quantization: "none", "int8" or "int4" (weight-only, for small iterations), or "w8a8"
             (int8 weight-only for small iterations, int8 activations for the QKV and gate/up
-            projections of large ones); see worker.linear. The LM head takes int8 weight-only
-            under any of them.
+            projections of large ones); see worker.linear. The LM head takes int8 under any of
+            them (few-row iterations through `shoal::int8_gemv`, int8 activations).
         fast_paths: C++ kernels and prepacked weights where available (else the torch reference).
         device: where the weights live and the model runs.
         attention_backend: "auto", "torch" or "triton" (worker.attention.make_backend).

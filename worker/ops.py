@@ -67,7 +67,7 @@ def silu_and_mul_reference(gate_up):
 
 def int8_gemv_available() -> bool:
     """True when the C++ kernels were built with AVX-512 VNNI, which `shoal::int8_gemv` needs
-    (worker/linear.py uses it for int8 weights in iterations of a few rows)."""
+    (worker/linear.py: the quantized LM head's iterations of a few rows)."""
     return cpu_ops.load() and hasattr(torch.ops.shoal, "int8_gemv")
 
 
