@@ -533,6 +533,29 @@ Tensor silu_and_mul(const Tensor& gate_up) {
 // `acc[i, j] * row_scale[i] * col_scale[j]`.
 // ---------------------------------------------------------------------------------------------
 
+// One row of k values to int8, q = round(x / scale) with scale = max |x| / 127 (1 for a zero
+// row), plus `offset` (128 makes the levels unsigned, as vpdpbusd takes them); returns scale.
+template <typename scalar_t, typename out_t>
+inline float quantize_row(const scalar_t* row, int64_t k, out_t* out, int32_t offset) {
+  float m = 0.f;
+#pragma omp simd reduction(max : m)
+  for (int64_t e = 0; e < k; ++e) {
+    const float a = to_float(row[e]);
+    const float mag = a < 0.f ? -a : a;
+    m = mag > m ? mag : m;
+  }
+  const float s = m > 0.f ? m / 127.f : 1.f;
+  const float inv = 1.f / s;
+  // Round half to even by the 1.5 * 2^23 trick (|v| <= 127 here): std::nearbyint did not
+  // vectorise.
+#pragma omp simd
+  for (int64_t e = 0; e < k; ++e) {
+    const float v = to_float(row[e]) * inv;
+    out[e] = static_cast<out_t>(static_cast<int32_t>((v + 12582912.f) - 12582912.f) + offset);
+  }
+  return s;
+}
+
 template <typename scalar_t>
 void quantize_rows_impl(const Tensor& x, Tensor& q, Tensor& scale) {
   const int64_t n = x.size(0), k = x.size(1);
@@ -540,26 +563,7 @@ void quantize_rows_impl(const Tensor& x, Tensor& q, Tensor& scale) {
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = scale.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const scalar_t* row = xp + i * k;
-      float m = 0.f;
-#pragma omp simd reduction(max : m)
-      for (int64_t e = 0; e < k; ++e) {
-        const float a = to_float(row[e]);
-        const float mag = a < 0.f ? -a : a;
-        m = mag > m ? mag : m;
-      }
-      const float s = m > 0.f ? m / 127.f : 1.f;
-      const float inv = 1.f / s;
-      sp[i] = s;
-      // Round half to even by the 1.5 * 2^23 trick (|v| <= 127 here): std::nearbyint did not
-      // vectorise.
-#pragma omp simd
-      for (int64_t e = 0; e < k; ++e) {
-        const float v = to_float(row[e]) * inv;
-        qp[i * k + e] = static_cast<int8_t>(static_cast<int32_t>((v + 12582912.f) - 12582912.f));
-      }
-    }
+    for (int64_t i = begin; i < end; ++i) sp[i] = quantize_row(xp + i * k, k, qp + i * k, 0);
   });
 }
 
@@ -656,23 +660,7 @@ void int8_gemv_impl(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& w
   const scalar_t* xp = ptr<scalar_t>(x);
   std::vector<uint8_t> xu(m * k);
   std::vector<float> xs(m);
-  for (int64_t i = 0; i < m; ++i) {
-    const scalar_t* row = xp + i * k;
-    float mx = 0.f;
-#pragma omp simd reduction(max : mx)
-    for (int64_t e = 0; e < k; ++e) {
-      const float a = to_float(row[e]);
-      const float mag = a < 0.f ? -a : a;
-      mx = mag > mx ? mag : mx;
-    }
-    xs[i] = mx > 0.f ? mx / 127.f : 1.f;
-    const float inv = 1.f / xs[i];
-#pragma omp simd
-    for (int64_t e = 0; e < k; ++e) {
-      const float v = to_float(row[e]) * inv;  // round half to even, as in quantize_rows
-      xu[i * k + e] = static_cast<uint8_t>(static_cast<int32_t>((v + 12582912.f) - 12582912.f) + 128);
-    }
-  }
+  for (int64_t i = 0; i < m; ++i) xs[i] = quantize_row(xp + i * k, k, xu.data() + i * k, 128);
   scalar_t* yp = ptr<scalar_t>(y);
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* wsp = w_scale.data_ptr<float>();
