@@ -28,7 +28,7 @@ for the number of rows an iteration brings.
   against 18.86 on all four; 160 tokens: +4.6% on QKV and gate/up alone), so they keep weight-only
   int8. A VNNI kernel for the int4 levels (int8 activations, Q4_1's scales and minimums as
   float16) measured no better than torch's int4 kernel (3.96-4.6 against 4.6-4.8 ms at 1 row;
-  single-stream decode 111-115 against 117-119 tokens/s in the engine) and was not kept.
+  single-stream decode 111-115 against 94-119 tokens/s in the engine) and was not kept.
 
   int4 in groups of 32 with a scale and a minimum is GGUF's Q4_1, the format SmolLM2's
   projections ship in: quantizing the dequantized Q4_1 weights again by each group's minimum and
