@@ -24,6 +24,10 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -74,6 +78,42 @@ inline float fast_exp(float x) {
   p = p * r * r + r + 1.f;
   return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
 }
+
+#if defined(__AVX512F__)
+// 16 lanes of the storage type to and from float32; the store rounds as from_float does.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(uint16_t* p, __m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+
+// fast_exp on 16 lanes (the same reduction and polynomial; 2^n by vscalefps).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
 
 void check_cpu_contiguous(const Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
@@ -242,11 +282,6 @@ void attend(const AttnItem<scalar_t>& it) {
 // loops along D and spilled the accumulators (perf: a 4-row tile no faster than rows one by one).
 // Here a block's scores are Q = R * G vector registers, one FMA per (query, dimension), and the
 // weighted sum of values keeps Q x DC / 16 registers.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
 
 template <typename scalar_t, int64_t G, int64_t D, int64_t R>
 void attend16(const AttnItem<scalar_t>& it) {
@@ -320,6 +355,180 @@ void attend_generic(const AttnItem<scalar_t>& it, int64_t g, int64_t bs, int64_t
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define SHOAL_AMX 1
+// Prefill attention on AMX tiles (Intel Sapphire Rapids and later): a request's prefill chunk
+// against one K/V head, 16 query rows at a time, `S = Q K^T` and `O = P V` as tile products of
+// bfloat16 into float32 (tdpbf16ps: 16 x 16 x 32 multiply-adds per instruction, 16x the fp32
+// FMAs of the kernel above per cycle). The request's keys and values of this head are first
+// copied out of their blocks into the layouts the tiles read (pairs of consecutive elements
+// along the reduced dimension interleaved: "VNNI"), once per (request, head) for all its rows:
+// keys `[D / 2][T][2]` (pairs of dimensions), values `[T / 2][D][2]` (pairs of tokens). Softmax
+// runs in float32 and rounds P to bfloat16 for the second product, as flash attention does in
+// bfloat16. Only head_dim 64 and 16-token blocks take it; other shapes keep the kernels above.
+// Measured on a 2-core Xeon with AMX (14 prompts of 146 tokens, one layer): see docs/engine.md.
+
+constexpr int64_t kAmxRows = 16, kAmxD = 64, kAmxBS = 16;
+
+// Linux hands out the AMX tile state only to processes that ask for it (arch_prctl).
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kGetPerm = 0x1022, kReqPerm = 0x1023, kXtileData = 18;
+    unsigned long mask = 0;
+    if (syscall(SYS_arch_prctl, kGetPerm, &mask) == 0 && (mask & (1UL << kXtileData))) return true;
+    return syscall(SYS_arch_prctl, kReqPerm, kXtileData) == 0;
+  }();
+  return ok;
+}
+
+// Every tile 16 rows of 64 bytes: tmm0-3 float32 accumulators, tmm4-5 A operands, tmm6-7 B.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int i = 0; i < 8; ++i) colsb[i] = 64, rows[i] = 16;
+  }
+};
+
+// Per-thread buffers of the AMX path.
+struct AmxScratch {
+  std::vector<uint16_t> k, v, p;  // keys [D/2][Tk][2], values [Tv/2][D][2], P [16][Tv]
+  std::vector<float> s;           // scores [16][Tv]
+  alignas(64) uint16_t q[kAmxRows * kAmxD];
+  alignas(64) float o[kAmxRows * kAmxD];
+};
+
+// One request's keys and values of one head, `len` tokens, into the VNNI layouts, zero past
+// `len` up to tk (keys) and tv (values) tokens.
+inline void gather_vnni(const uint16_t* k_head, const uint16_t* v_head, const int64_t* table,
+                        int64_t len, int64_t tk, int64_t tv, AmxScratch& sc) {
+  constexpr int64_t D = kAmxD, BS = kAmxBS;
+  sc.k.assign(D * tk, 0);
+  sc.v.resize(tv * D);
+  // Interleaves a (lanes 0-15 of the index) with b (32-47): out[2i] = a[i], out[2i + 1] = b[i].
+  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  const int64_t nblocks = (len + BS - 1) / BS;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint16_t* kb = k_head + table[b] * D * BS;  // [D][BS]
+    const int64_t n = std::min(BS, len - b * BS);
+    const __mmask32 keep = n == BS ? ~__mmask32(0) : static_cast<__mmask32>((1ULL << (2 * n)) - 1);
+    for (int64_t pr = 0; pr < D / 2; ++pr) {
+      const __m512i even = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb + 2 * pr * BS)));
+      const __m512i odd = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb + (2 * pr + 1) * BS)));
+      _mm512_mask_storeu_epi16(sc.k.data() + (pr * tk + b * BS) * 2, keep,
+                               _mm512_permutex2var_epi16(even, lo, odd));
+    }
+    const uint16_t* vb = v_head + table[b] * BS * D;  // [BS][D]
+    for (int64_t t = 0; t < BS; t += 2) {
+      uint16_t* dst = sc.v.data() + (b * BS + t) / 2 * D * 2;
+      if (t + 1 < n) {
+        for (int64_t c = 0; c < D; c += 32) {
+          const __m512i r0 = _mm512_loadu_si512(vb + t * D + c), r1 = _mm512_loadu_si512(vb + (t + 1) * D + c);
+          _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(r0, lo, r1));
+          _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(r0, hi, r1));
+        }
+      } else {  // the last token alone (its pair is past len), or nothing
+        for (int64_t e = 0; e < D; ++e) {
+          dst[2 * e] = t < n ? vb[t * D + e] : 0;
+          dst[2 * e + 1] = 0;
+        }
+      }
+    }
+  }
+  std::fill(sc.v.begin() + nblocks * BS * D, sc.v.end(), 0);
+}
+
+// Rows [row0, row0 + rows) of one request (the last attends `len` tokens) against K/V head h,
+// for the G query heads of h. q and out as in paged_attention_impl.
+template <int64_t G>
+void attend_amx(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_head,
+                const uint16_t* v_head, const int64_t* table, int64_t rows, int64_t len,
+                float scale, uint16_t* out, int64_t out_row_stride, AmxScratch& sc) {
+  constexpr int64_t D = kAmxD, R = kAmxRows;
+  const int64_t tk = (len + 15) / 16 * 16, tv = (len + 31) / 32 * 32;
+  gather_vnni(k_head, v_head, table, len, tk, tv, sc);
+  sc.s.resize(R * tv);
+  sc.p.resize(R * tv);
+  static const TileConfig config;
+  _tile_loadconfig(&config);
+  for (int64_t r0 = 0; r0 < rows; r0 += R) {
+    const int64_t m = std::min(R, rows - r0);
+    const int64_t last = len - (rows - (r0 + m));  // tokens the tile's last row attends
+    const int64_t nk = (last + 15) / 16, nv = (last + 31) / 32;
+    for (int64_t j = 0; j < G; ++j) {
+      for (int64_t i = 0; i < R; ++i)
+        if (i < m)
+          std::memcpy(sc.q + i * D, q + (r0 + i) * q_row_stride + j * D, D * sizeof(uint16_t));
+        else
+          std::memset(sc.q + i * D, 0, D * sizeof(uint16_t));
+      _tile_loadd(4, sc.q, D * 2);
+      _tile_loadd(5, sc.q + 32, D * 2);
+      for (int64_t c = 0; c < nk; ++c) {  // S[:, 16c : 16c + 16]
+        _tile_zero(0);
+        _tile_loadd(6, sc.k.data() + c * 16 * 2, tk * 4);
+        _tile_loadd(7, sc.k.data() + (16 * tk + c * 16) * 2, tk * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(0, 5, 7);
+        _tile_stored(0, sc.s.data() + c * 16, tv * 4);
+      }
+      float inv_sum[R];
+      for (int64_t i = 0; i < R; ++i) {  // softmax of row i over its tokens, P in bfloat16
+        float* s = sc.s.data() + i * tv;
+        uint16_t* p = sc.p.data() + i * tv;
+        const int64_t n = i < m ? last - (m - 1 - i) : 0;
+        __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int64_t t = 0; t < n; t += 16)
+          mx = _mm512_max_ps(mx, _mm512_maskz_loadu_ps(n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1, s + t));
+        const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * scale), sc16 = _mm512_set1_ps(scale);
+        __m512 sum = _mm512_setzero_ps();
+        int64_t t = 0;
+        for (; t < n; t += 16) {
+          const __mmask16 valid = n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1;
+          const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + t), sc16, shift)));
+          sum = _mm512_add_ps(sum, e);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        for (; t < nv * 32; t += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), _mm256_setzero_si256());
+        inv_sum[i] = n ? 1.f / _mm512_reduce_add_ps(sum) : 0.f;
+      }
+      _tile_zero(0);  // tmm0-3: O[:, 0:16], ..., O[:, 48:64]
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t c = 0; c < nv; ++c) {
+        _tile_loadd(4, sc.p.data() + c * 32, tv * 2);
+        const uint16_t* vb = sc.v.data() + c * 16 * D * 2;  // token pairs 16c ...
+        _tile_loadd(6, vb, D * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, vb + 32, D * 4);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(6, vb + 64, D * 4);
+        _tile_dpbf16ps(2, 4, 6);
+        _tile_loadd(7, vb + 96, D * 4);
+        _tile_dpbf16ps(3, 4, 7);
+      }
+      _tile_stored(0, sc.o, D * 4);
+      _tile_stored(1, sc.o + 16, D * 4);
+      _tile_stored(2, sc.o + 32, D * 4);
+      _tile_stored(3, sc.o + 48, D * 4);
+      for (int64_t i = 0; i < m; ++i) {
+        uint16_t* dst = out + (r0 + i) * out_row_stride + j * D;
+        const __m512 inv = _mm512_set1_ps(inv_sum[i]);
+        for (int64_t e = 0; e < D; e += 16) store16(dst + e, _mm512_mul_ps(load16(sc.o + i * D + e), inv));
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
+
+struct AmxScratch;  // defined where the AMX kernel is built
+
 template <typename scalar_t>
 void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
                           const Tensor& block_tables, const Tensor& query_start_loc,
@@ -361,29 +570,63 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_pool, co
   // Work items (sequence, first row, rows): full tiles where a tile kernel exists, then rows one
   // by one. Costs vary with the tokens attended, so items are handed out dynamically, longest
   // first: with static halves, a thread that the OS preempts holds the other one at the end.
-  struct Work { int64_t seq, row, rows, len; };
+  // A request with more than kTile query rows (a prefill chunk) is one AMX item per head where
+  // the AMX kernel serves this shape.
+  using AmxFn = void (*)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, const int64_t*,
+                         int64_t, int64_t, float, uint16_t*, int64_t, AmxScratch&);
+  AmxFn amx = nullptr;
+#ifdef SHOAL_AMX
+  if constexpr (std::is_same_v<scalar_t, uint16_t>) {
+    if (d == kAmxD && bs == kAmxBS && qs1 == d && amx_permitted()) {
+      if (g == 1) amx = attend_amx<1>;
+      if (g == 3) amx = attend_amx<3>;
+      if (g == 4) amx = attend_amx<4>;
+    }
+  }
+#endif
+  struct Work { int64_t seq, row, rows, len, cost; bool amx; };
   std::vector<Work> work;
+  int64_t max_len = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t first = starts[s], last = starts[s + 1];
     TORCH_CHECK(last > first && last - first <= lens[s], "sequence ", s, ": bad query rows");
+    max_len = std::max(max_len, lens[s]);
+    if (amx && last - first > kTile) {
+      // Tokens scored, at about a quarter of the cost of the kernels above (measured).
+      work.push_back({s, first, last - first, lens[s], (last - first) * lens[s] / 4, true});
+      continue;
+    }
     for (int64_t r = first; r < last;) {
       const int64_t rows = (tile && last - r >= kTile) ? kTile : 1;
-      work.push_back({s, r, rows, lens[s] - (last - (r + rows))});
+      const int64_t len = lens[s] - (last - (r + rows));
+      work.push_back({s, r, rows, len, rows * len, false});
       r += rows;
     }
   }
-  std::sort(work.begin(), work.end(), [](const Work& a, const Work& b) { return a.len > b.len; });
+  std::sort(work.begin(), work.end(), [](const Work& a, const Work& b) { return a.cost > b.cost; });
   const int64_t num_items = static_cast<int64_t>(work.size()) * hkv;
-  TORCH_CHECK(num_items == 0 || (work.front().len + bs - 1) / bs <= max_blocks,
+  TORCH_CHECK((max_len + bs - 1) / bs <= max_blocks,
               "a sequence attends more tokens than its block table holds");
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     alignas(64) float qf[kTile * kMaxGroup * kMaxHeadDim];
     std::vector<float> scores;
+#ifdef SHOAL_AMX
+    AmxScratch amx_scratch;
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; ++item) {
       const Work& w = work[item / hkv];
       const int64_t h = item % hkv, padded = (w.len + bs - 1) / bs * bs;
+#ifdef SHOAL_AMX
+      if (w.amx) {
+        if constexpr (std::is_same_v<scalar_t, uint16_t>)
+          amx(qp + w.row * qs0 + h * g * qs1, qs0, kp + h * nb * d * bs, vp + h * nb * bs * d,
+              tables + w.seq * max_blocks, w.rows, w.len, fscale, op + (w.row * hq + h * g) * d,
+              hq * d, amx_scratch);
+        continue;
+      }
+#endif
       for (int64_t r = 0; r < w.rows; ++r)
         for (int64_t j = 0; j < g; ++j)
           for (int64_t e = 0; e < d; ++e)
@@ -494,11 +737,24 @@ Tensor add_rms_norm(Tensor x, const c10::optional<Tensor>& delta, const Tensor& 
 }
 
 // SwiGLU: out = silu(gate) * up, with gate_up = [gate | up] along the last dim.
+// The vectorised loop divided by 1 + exp(-a) with vdivps, which made the op compute-bound (4.6x
+// a copy of its bytes at 2,048 rows); the AVX-512 loop takes rcp14 and one Newton step instead
+// (relative error ~1e-7 against the division, far below bfloat16's rounding).
 template <typename scalar_t>
 inline void silu_and_mul_row(const scalar_t* __restrict gate, const scalar_t* __restrict up,
                              scalar_t* __restrict out, int64_t n) {
-#pragma omp simd
-  for (int64_t e = 0; e < n; ++e) {
+  int64_t e = 0;
+#if defined(__AVX512F__)
+  const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f);
+  for (; e + 16 <= n; e += 16) {
+    const __m512 a = load16(gate + e);
+    const __m512 den = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), a)));
+    __m512 inv = _mm512_rcp14_ps(den);
+    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, two));
+    store16(out + e, _mm512_mul_ps(_mm512_mul_ps(a, inv), load16(up + e)));
+  }
+#endif
+  for (; e < n; ++e) {  // the tail (the whole row without AVX-512; GCC vectorises it)
     const float a = to_float(gate[e]);
     out[e] = from_float<scalar_t>(a / (1.f + fast_exp(-a)) * to_float(up[e]));
   }
