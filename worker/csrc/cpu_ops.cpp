@@ -141,7 +141,9 @@ void write_kv_impl(const Tensor& k, const Tensor& v, Tensor& k_pool, Tensor& v_p
   scalar_t* vc = ptr<scalar_t>(v_pool);
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+  // Grain 8: each token's keys land across a block's D rows (cache lines missed, not bytes
+  // moved, set the cost), so even a decode iteration's few tokens split over the threads.
+  at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t blk = sp[i] / bs, off = sp[i] % bs;
       TORCH_CHECK(blk >= 0 && blk < nb, "slot outside the K/V pool");
