@@ -7,7 +7,14 @@ import torch
 
 from worker import cpu_ops, ops
 from worker.attention import TorchAttention, build_metadata, decode_attention_reference, write_kv
-from worker.linear import QUANTIZED_MAX_ROWS, W8A8_MIN_ROWS, Linear, quantize_int4, quantize_int8
+from worker.linear import (
+    AMX_MAX_ROWS,
+    QUANTIZED_MAX_ROWS,
+    W8A8_MIN_ROWS,
+    Linear,
+    quantize_int4,
+    quantize_int8,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the C++ kernels did not build here")
 
@@ -175,6 +182,29 @@ def test_packed_linear_matches_f_linear(dtype, bound):
     for rows in (1, 5, 64, 300):
         x = torch.randn(rows, 64, generator=g).to(dtype)
         assert rel(lin(x), torch.nn.functional.linear(x, w)) <= bound
+
+
+@pytest.mark.skipif(not ops.amx_available(), reason="no AMX on this CPU (or not permitted)")
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (48, 160)])
+def test_amx_linear_serves_iterations_of_up_to_64_rows(out_features, in_features):
+    """shoal::amx_linear (weights in tile order) against float32 math for every row count it
+    takes (whole and partial 16-row tiles); Linear hands it exactly those iterations."""
+    g = torch.Generator().manual_seed(30 + in_features)
+    w = (torch.randn(out_features, in_features, generator=g) * 0.1).to(torch.bfloat16)
+    packed = torch.ops.shoal.amx_pack_weight(w)
+    lin = Linear(w, kernels=True)
+    assert lin.amx is not None
+    for rows in (1, 7, 16, 17, 40, AMX_MAX_ROWS, AMX_MAX_ROWS + 1, 200):
+        x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+        exact = torch.nn.functional.linear(x.float(), w.float())
+        y = lin(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+        assert rel(y, exact) <= 5e-3
+        if rows <= AMX_MAX_ROWS:
+            assert torch.equal(y, torch.ops.shoal.amx_linear(x, packed))
+    with pytest.raises(RuntimeError, match="rows"):
+        torch.ops.shoal.amx_linear(torch.zeros(AMX_MAX_ROWS + 1, in_features,
+                                               dtype=torch.bfloat16), packed)
 
 
 def test_int8_linear_is_used_for_few_rows_only():

@@ -58,6 +58,7 @@ from worker.config import QUANTIZATIONS
 QUANTIZED_MAX_ROWS = {"int8": 2, "int4": 4, "w8a8": 2}
 VNNI_INT8_MAX_ROWS = 4  # int8 weights through shoal::int8_gemv beat bfloat16 up to here (8: even)
 W8A8_MIN_ROWS = 16  # int8 x int8 matmuls beat bfloat16 from here (measured: 17 yes, 8 no)
+AMX_MAX_ROWS = 64  # shoal::amx_linear serves iterations up to here (its tile kernel's limit)
 INT4_GROUP_SIZE = 32  # GGUF's Q4_0 / Q4_1 block
 
 
@@ -162,6 +163,12 @@ class Linear:
         if quantization == "w8a8" and quantize_activations:
             q, scale = self.quantized[:2]
             self.w8a8 = (q.t(), scale.float())
+        # AMX tiles serve bfloat16 iterations of up to AMX_MAX_ROWS rows (a second copy of the
+        # weight, in the tiles' order; oneDNN's serves larger ones).
+        self.amx = None
+        if (kernels and weight.dtype == torch.bfloat16 and self.out_features % 16 == 0
+                and self.in_features % 32 == 0 and ops.amx_available()):
+            self.amx = torch.ops.shoal.amx_pack_weight(weight)
         self.packed = None
         self.weight: torch.Tensor | None = weight
         if (pack and weight.dtype in (torch.bfloat16, torch.float32)
@@ -180,6 +187,8 @@ class Linear:
             return torch.ops.aten._weight_int8pack_mm(x, q, scale)
         if self.uses_w8a8(x.shape[0]):
             return self._w8a8(x, silu_and_mul=False)
+        if self.amx is not None and x.shape[0] <= AMX_MAX_ROWS:
+            return torch.ops.shoal.amx_linear(x, self.amx)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [None], "")
         return F.linear(x, self.weight)

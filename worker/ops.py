@@ -71,6 +71,13 @@ def int8_gemv_available() -> bool:
     return cpu_ops.load() and hasattr(torch.ops.shoal, "int8_gemv")
 
 
+def amx_available() -> bool:
+    """True when the C++ kernels were built for AMX (bfloat16 tiles) and Linux lets this process
+    use them: `shoal::amx_linear` (worker/linear.py) and the prefill attention's tile path."""
+    return (cpu_ops.load() and hasattr(torch.ops.shoal, "amx_available")
+            and torch.ops.shoal.amx_available())
+
+
 def quantize_rows(x: torch.Tensor, kernels: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-row symmetric int8 (W8A8's activations): `x ≈ q * scale[:, None]`.
 
