@@ -1069,17 +1069,15 @@ std::tuple<Tensor, Tensor> topk_rows(const Tensor& x, int64_t k) {
 // tile serves all the iteration's rows (up to 4 tile products), so the step stays at the
 // memory's pace up to 64 rows.
 //
-// Packed layout: `[N / 16][K / 32][16 pairs of K][16 columns][2]`: for each block of 16 output
-// channels, its K / 32 tiles of 32 input channels (pairs interleaved: the B operand of
-// tdpbf16ps), one after the other.
+// Packed layout (N and K multiples of 32): `[N / 16][K / 32][16 pairs of K][16 columns][2]`: for
+// each block of 16 output channels, its K / 32 tiles of 32 input channels (pairs interleaved:
+// the B operand of tdpbf16ps), one after the other.
 // ---------------------------------------------------------------------------------------------
-constexpr int64_t kAmxMaxRows = 64;
-
 Tensor amx_pack_weight(const Tensor& w) {
   check_cpu_contiguous(w, "weight");
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "weight [N, K] bfloat16");
   const int64_t n = w.size(0), k = w.size(1);
-  TORCH_CHECK(n % 16 == 0 && k % 32 == 0, "AMX weights need N % 16 == 0 and K % 32 == 0, got ",
+  TORCH_CHECK(n % 32 == 0 && k % 32 == 0, "AMX weights need N and K multiples of 32, got ",
               n, " x ", k);
   Tensor out = at::empty({n / 16, k / 32, 16, 16, 2}, w.options());
   const uint16_t* src = ptr<uint16_t>(w);
@@ -1097,41 +1095,66 @@ Tensor amx_pack_weight(const Tensor& w) {
   return out;
 }
 
-// Output blocks [begin, end) of 16 channels for MB blocks of 16 rows of x (padded, [16 MB][K]).
+// A stored accumulator tile c (16 x 16 float32) into rows [16 i, 16 i + 16) (up to row m) and
+// output channels [16 nb, 16 nb + 16) of y.
+inline void store_rows(const float* c, uint16_t* y, int64_t m, int64_t n, int64_t i, int64_t nb) {
+  const int64_t rows = std::min<int64_t>(16, m - 16 * i);
+  for (int64_t r = 0; r < rows; ++r) store16(y + (16 * i + r) * n + nb * 16, load16(c + r * 16));
+}
+// (Tile numbers must be literals: _tile_stored is a macro naming the register.)
+#define SHOAL_STORE_TILE(T, i, nb) \
+  _tile_stored(T, c, 64);          \
+  store_rows(c, y, m, n, i, nb)
+
+// One pair of output blocks (weights w0, w1: K / 32 tiles each) for MB (1 or 2) blocks of 16
+// rows of x: every tile of x loaded serves both weight tiles. Accumulators tmm0-3 are
+// (rows 0-15, w0), (rows 16-31, w0), (rows 0-15, w1), (rows 16-31, w1).
 template <int MB>
+inline void amx_pair(const uint16_t* x, const uint16_t* w0, const uint16_t* w1, uint16_t* y,
+                     int64_t m, int64_t k, int64_t n, int64_t nb, float* c) {
+  _tile_zero(0);
+  _tile_zero(2);
+  if (MB > 1) { _tile_zero(1); _tile_zero(3); }
+  for (int64_t j = 0; j < k / 32; ++j) {
+    _tile_loadd(6, w0 + j * 512, 64);
+    _tile_loadd(7, w1 + j * 512, 64);
+    _tile_loadd(4, x + j * 32, k * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 4, 7);
+    if (MB > 1) {
+      _tile_loadd(5, x + 16 * k + j * 32, k * 2);
+      _tile_dpbf16ps(1, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  SHOAL_STORE_TILE(0, 0, nb);
+  SHOAL_STORE_TILE(2, 0, nb + 1);
+  if (MB > 1) {
+    SHOAL_STORE_TILE(1, 1, nb);
+    SHOAL_STORE_TILE(3, 1, nb + 1);
+  }
+}
+
+// Output blocks [begin, end) (an even range) for all m rows of x (padded to 16-row tiles), 32
+// rows at a time: past the first 32 the pair's weight tiles come from cache, not memory.
 void amx_linear_blocks(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m, int64_t k,
                        int64_t n, int64_t begin, int64_t end) {
   static const TileConfig config;
   _tile_loadconfig(&config);
   const int64_t kt = k / 32;
   alignas(64) float c[16 * 16];
-  for (int64_t nb = begin; nb < end; ++nb) {
-    const uint16_t* wb = w + nb * kt * 512;
-    _tile_zero(0);
-    if (MB > 1) _tile_zero(1);
-    if (MB > 2) _tile_zero(2);
-    if (MB > 3) _tile_zero(3);
-    for (int64_t j = 0; j < kt; ++j) {
-      _tile_loadd(6, wb + j * 512, 64);
-      _tile_loadd(4, x + j * 32, k * 2);
-      _tile_dpbf16ps(0, 4, 6);
-      if (MB > 1) { _tile_loadd(5, x + 16 * k + j * 32, k * 2); _tile_dpbf16ps(1, 5, 6); }
-      if (MB > 2) { _tile_loadd(4, x + 32 * k + j * 32, k * 2); _tile_dpbf16ps(2, 4, 6); }
-      if (MB > 3) { _tile_loadd(5, x + 48 * k + j * 32, k * 2); _tile_dpbf16ps(3, 5, 6); }
-    }
-    for (int i = 0; i < MB; ++i) {
-      switch (i) {
-        case 0: _tile_stored(0, c, 64); break;
-        case 1: _tile_stored(1, c, 64); break;
-        case 2: _tile_stored(2, c, 64); break;
-        default: _tile_stored(3, c, 64); break;
-      }
-      const int64_t rows = std::min<int64_t>(16, m - 16 * i);
-      for (int64_t r = 0; r < rows; ++r) store16(y + (16 * i + r) * n + nb * 16, load16(c + r * 16));
+  for (int64_t nb = begin; nb < end; nb += 2) {
+    const uint16_t* w0 = w + nb * kt * 512;
+    for (int64_t r = 0; r < m; r += 32) {
+      if (m - r > 16)
+        amx_pair<2>(x + r * k, w0, w0 + kt * 512, y + r * n, m - r, k, n, nb, c);
+      else
+        amx_pair<1>(x + r * k, w0, w0 + kt * 512, y + r * n, m - r, k, n, nb, c);
     }
   }
   _tile_release();
 }
+#undef SHOAL_STORE_TILE
 
 Tensor amx_linear(const Tensor& x, const Tensor& packed) {
   check_cpu_contiguous(x, "x");
@@ -1141,7 +1164,7 @@ Tensor amx_linear(const Tensor& x, const Tensor& packed) {
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * 16;
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 5 && packed.size(1) * 32 == k,
               "x [M, K] against a weight packed by amx_pack_weight for K = ", packed.size(1) * 32);
-  TORCH_CHECK(m >= 1 && m <= kAmxMaxRows, "amx_linear takes 1 to ", kAmxMaxRows, " rows, got ", m);
+  TORCH_CHECK(m >= 1, "amx_linear needs at least one row");
   TORCH_CHECK(amx_permitted(), "AMX is not available to this process");
   const int mb = static_cast<int>((m + 15) / 16);
   // Rows padded to whole tiles with zeros (their products are never stored).
@@ -1155,14 +1178,9 @@ Tensor amx_linear(const Tensor& x, const Tensor& packed) {
   const uint16_t* wq = ptr<uint16_t>(packed);
   uint16_t* yq = ptr<uint16_t>(y);
   // One contiguous run of output blocks per thread: each streams its share of the weights once.
-  const int64_t nblocks = n / 16, threads = at::get_num_threads();
-  at::parallel_for(0, nblocks, (nblocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
-    switch (mb) {
-      case 1: amx_linear_blocks<1>(xq, wq, yq, m, k, n, begin, end); break;
-      case 2: amx_linear_blocks<2>(xq, wq, yq, m, k, n, begin, end); break;
-      case 3: amx_linear_blocks<3>(xq, wq, yq, m, k, n, begin, end); break;
-      default: amx_linear_blocks<4>(xq, wq, yq, m, k, n, begin, end); break;
-    }
+  const int64_t pairs = n / 32, threads = at::get_num_threads();
+  at::parallel_for(0, pairs, (pairs + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    amx_linear_blocks(xq, wq, yq, m, k, n, 2 * begin, 2 * end);
   });
   return y;
 }
