@@ -35,8 +35,17 @@ from gateway.jobs import jobs_router
 from gateway.pages import pages_router
 from shoal.detokenizer import IncrementalDetokenizer
 from shoal.keys import Keys
-from shoal.messages import Cancel, RequestSubmission, TokenEvent, WorkerInfo, decode, encode
+from shoal.messages import (
+    Cancel,
+    RequestSubmission,
+    TokenEvent,
+    TokenEvents,
+    WorkerInfo,
+    decode,
+    encode,
+)
 from shoal.model_files import load_tokenizer, model_id, resolve_model_path
+from shoal.process import freeze_heap
 from shoal.sampling_params import InvalidSamplingParams, SamplingParams
 
 log = logging.getLogger("shoal.gateway")
@@ -224,10 +233,15 @@ class Gateway:
                 async for msg in pubsub.listen():
                     if msg.get("type") != "message":
                         continue
-                    event = decode(msg["data"])
-                    q = self.queues.get(event.request_id) if isinstance(event, TokenEvent) else None
-                    if q is not None:
-                        q.put_nowait(event)
+                    message = decode(msg["data"])
+                    # One iteration's events (TokenEvents); a lone TokenEvent from an older
+                    # scheduler is read as well.
+                    events = (message.events if isinstance(message, TokenEvents) else
+                              [message] if isinstance(message, TokenEvent) else [])
+                    for event in events:
+                        q = self.queues.get(event.request_id)
+                        if q is not None:
+                            q.put_nowait(event)
             except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
                 log.warning("token channel lost (%s); retrying in %.1f s", e, backoff)
                 self.subscribed = False
@@ -616,6 +630,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         await gw.start()
+        freeze_heap()
         yield
         await gw.stop()
 

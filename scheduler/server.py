@@ -33,6 +33,7 @@ from shoal.messages import (
     IterationResult,
     RequestSubmission,
     TokenEvent,
+    TokenEvents,
     WorkerInfo,
     decode,
     encode,
@@ -43,6 +44,9 @@ log = logging.getLogger("shoal.scheduler")
 PLANS_AHEAD = 2  # plans in flight per worker: the one running and one queued behind it
 REGISTRY_REFRESH_S = 0.25
 PROGRESS_TTL_S = 3600  # a request's saved tokens outlive any plausible failover
+# The TTL is set with the first saved token and renewed every this many (not on each token: one
+# command fewer per token), so a request generating for longer than the TTL keeps its tokens.
+PROGRESS_TTL_REFRESH_TOKENS = 64
 
 # Renew the lease only if we still hold it (a plain PEXPIRE could extend a successor's lease).
 _RENEW = """
@@ -319,23 +323,28 @@ class SchedulerServer:
         }))
 
     def _publish(self, events: list[TokenEvent]) -> None:
-        """Send events to their gateways; acknowledge the stream entry of each finished request."""
+        """Send events to their gateways, one `TokenEvents` message per gateway; save the tokens
+        for a scheduler that takes over; acknowledge the stream entry of each finished request."""
         if not events:
             return
         pipe = self.redis.pipeline(transaction=False)
+        by_channel: dict[str, list[TokenEvent]] = {}
         for event in events:
             final = event.finish_reason is not None
             channel = (self._reply_to.pop if final else self._reply_to.get)(event.request_id, None)
             if channel is not None:
-                pipe.publish(channel, encode(event))
+                by_channel.setdefault(channel, []).append(event)
             progress = self.keys.progress(event.request_id)
             if final:
                 pipe.delete(progress)
             elif event.token_ids:  # saved for a scheduler that takes over
                 pipe.rpush(progress, *event.token_ids)
-                pipe.expire(progress, PROGRESS_TTL_S)
+                if event.index % PROGRESS_TTL_REFRESH_TOKENS < len(event.token_ids):
+                    pipe.expire(progress, PROGRESS_TTL_S)
             if final:
                 entry = self.entry_ids.pop(event.request_id, None)
                 if entry is not None:
                     pipe.xack(self.keys.requests, self.keys.scheduler_group, entry)
+        for channel, batch in by_channel.items():
+            pipe.publish(channel, encode(TokenEvents(batch)))
         pipe.execute()

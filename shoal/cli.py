@@ -400,6 +400,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     import time
 
     from shoal.metrics import serve_metrics
+    from shoal.process import freeze_heap
     from worker.metrics import MODEL_LOAD_SECONDS
 
     t0 = time.perf_counter()
@@ -409,6 +410,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         settings = WorkerSettings(args.redis_url, args.worker_id or default_worker_id(),
                                   prefix=args.prefix)
         server = WorkerServer(engine, path, settings)
+        freeze_heap()
         if group is None:
             return server.run()
         from worker.parallel import watch_followers
@@ -425,12 +427,14 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     _setup_logging()
     from scheduler.server import SchedulerServer
     from shoal.metrics import serve_metrics
+    from shoal.process import freeze_heap
 
     serve_metrics(args.metrics_port)
-
-    return SchedulerServer(args.redis_url, args.policy, args.max_num_seqs, args.prefix,
-                           args.max_migrations, args.lease_ms, args.queue_deadline,
-                           args.priority_aging_s).run()
+    server = SchedulerServer(args.redis_url, args.policy, args.max_num_seqs, args.prefix,
+                             args.max_migrations, args.lease_ms, args.queue_deadline,
+                             args.priority_aging_s)
+    freeze_heap()
+    return server.run()
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:

@@ -16,7 +16,8 @@ class Keys:
         alive(id): string with a TTL, the worker's heartbeat.
         plans(id): list of `IterationPlan` for one worker (scheduler RPUSH, worker BLPOP).
         results: list of `IterationResult` from every worker (worker RPUSH, scheduler BLPOP).
-        tokens(gateway): pub/sub channel of `TokenEvent` for one gateway instance.
+        tokens(gateway): pub/sub channel of `TokenEvents` (one message per iteration) for one
+            gateway instance.
         cancels: list of `Cancel` (gateway RPUSH, scheduler drains).
         waiting: integer, requests waiting in the scheduler's pool (scheduler SET, gateways read
             it to refuse work beyond their bound with 429).

@@ -288,6 +288,20 @@ class TokenEvent(Message):
 
 
 @dataclass(frozen=True)
+class TokenEvents(Message):
+    """Every `TokenEvent` of one iteration for one gateway, in one pub/sub message (scheduler →
+    gateway): a message per token cost the scheduler, Redis and the gateway a publish, a
+    delivery and a parse each, CPU taken from the worker on a shared machine."""
+
+    TYPE: ClassVar[str] = "token_events"
+    events: list[TokenEvent]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TokenEvents:
+        return cls(events=[TokenEvent.from_dict(e) for e in d["events"]])
+
+
+@dataclass(frozen=True)
 class Cancel(Message):
     """A client went away or asked to stop (gateway → scheduler)."""
 

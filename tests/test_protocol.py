@@ -11,6 +11,8 @@ from shoal.messages import (
     IterationPlan,
     NewRequest,
     ProtocolError,
+    TokenEvent,
+    TokenEvents,
     WorkerInfo,
     decode,
     encode,
@@ -33,6 +35,14 @@ def test_round_trip_keeps_nested_messages_and_params():
     back = decode(encode(plan))
     assert back == plan
     assert isinstance(back.admit[0].params, SamplingParams) and back.admit[0].params.seed == 3
+
+
+def test_token_events_round_trip_as_one_message():
+    batch = TokenEvents([TokenEvent("a", 3, [17], [-0.5]),
+                         TokenEvent("b", 0, [], finish_reason="error", error="gone",
+                                    error_status=503)])
+    back = decode(encode(batch))
+    assert back == batch and all(isinstance(e, TokenEvent) for e in back.events)
 
 
 def test_fields_from_a_newer_build_are_ignored_at_every_level():
