@@ -5,7 +5,9 @@
 // dtype (float32 or bfloat16), and parallelises with at::parallel_for, which honours
 // torch.set_num_threads (its OpenMP pragmas are inline in ATen's headers: build with -fopenmp).
 // Loops are written for the compiler to vectorise (-O3 -march=native, `omp simd` reductions), so the
-// file builds on any CPU gcc targets; only paged attention has an AVX-512 version written out.
+// file builds on any CPU gcc targets; paged attention and SiLU x up have AVX-512 versions written
+// out, and where -march=native brings AMX, prefill attention and the projections of small
+// iterations run on AMX tiles (SHOAL_AMX).
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -1156,8 +1158,11 @@ void amx_linear_blocks(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 }
 #undef SHOAL_STORE_TILE
 
-Tensor amx_linear(const Tensor& x, const Tensor& packed) {
-  check_cpu_contiguous(x, "x");
+// y = x W^T for x `[M, K]` bfloat16 (any M >= 1) against W packed by amx_pack_weight; returns
+// `[M, N]` bfloat16 (float32 accumulation).
+Tensor amx_linear(const Tensor& x_in, const Tensor& packed) {
+  TORCH_CHECK(x_in.device().is_cpu(), "x must be on the CPU");
+  const Tensor x = x_in.contiguous();
   check_cpu_contiguous(packed, "packed weight");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
               "x and the weight must be bfloat16");
