@@ -11,6 +11,7 @@ out), so what the scheduler sends is exactly what the engine runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -54,8 +55,14 @@ class Message:
         """`d` without the fields this build does not know. A newer build may add a field with a
         default without bumping PROTOCOL_VERSION; older readers ignore it, so a fleet can be
         upgraded one process at a time."""
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = _field_names(cls)
         return {k: v for k, v in d.items() if k in names}
+
+
+@functools.cache
+def _field_names(cls: type) -> frozenset[str]:
+    """A message class's field names (computed once: every decoded message asks)."""
+    return frozenset(f.name for f in dataclasses.fields(cls))
 
 
 def _to_plain(v: Any) -> Any:
