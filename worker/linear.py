@@ -43,12 +43,18 @@ for the number of rows an iteration brings.
   RMSNorm outputs): prefilling 512 tokens of GPL-3 at once, perplexity rose 1.8% over bfloat16
   (QKV alone: within noise; gate/up alone: 1.2%; with O and down as well: 4.6% on 1,024 tokens).
   Iterations of at most 2 rows use int8 weight-only, as `int8` does.
-- **AMX tiles for bfloat16 iterations of up to 128 rows** (`shoal::amx_linear`, where the CPU has
+- **AMX tiles for bfloat16 iterations of up to 1,024 rows** (`shoal::amx_linear`, where the CPU has
   AMX): such an iteration is bound by reading the weights, which a second copy holds in the order
   the tiles consume them (`shoal::amx_pack_weight`); each thread streams its share once, and every
-  weight tile serves all the iteration's rows. All 120 SmolLM2 projections on a 2-core Xeon with
-  AMX, ms per iteration: 1 row 12.5 (oneDNN prepacked) -> 9.3, 32 rows 14.9 -> 10.0, 64 rows 16.9
-  -> 12.8, 128 rows 24.1 -> 18.7, 256 rows 32.1 -> 30.8 (so oneDNN keeps larger iterations).
+  weight tile serves all the iteration's rows; rows go 256 at a time, which stay in L2. All 120
+  SmolLM2 projections on a 2-core Xeon with AMX, ms per iteration:
+
+  | rows | 1 | 32 | 64 | 128 | 512 | 1,024 | 2,048 |
+  | --- | --- | --- | --- | --- | --- | --- | --- |
+  | oneDNN prepacked | 12.5 | 14.9 | 16.9 | 23.5 | 59-64 | 119-131 | 161-171 |
+  | `shoal::amx_linear` | 9.3 | 10.0 | 12.8 | 18.5 | 49-55 | 99-108 | 205 |
+
+  so oneDNN keeps iterations of more than 1,024 rows.
 - Plain `F.linear` otherwise (float16, another device, or no oneDNN).
 """
 
@@ -64,7 +70,7 @@ from worker.config import QUANTIZATIONS
 QUANTIZED_MAX_ROWS = {"int8": 2, "int4": 4, "w8a8": 2}
 VNNI_INT8_MAX_ROWS = 4  # int8 weights through shoal::int8_gemv beat bfloat16 up to here (8: even)
 W8A8_MIN_ROWS = 16  # int8 x int8 matmuls beat bfloat16 from here (measured: 17 yes, 8 no)
-AMX_MAX_ROWS = 128  # shoal::amx_linear beats oneDNN up to here (measured: 128 rows 18.7 vs 24.1 ms, 256 even)
+AMX_MAX_ROWS = 1024  # shoal::amx_linear beats oneDNN up to here (table above; 2,048 rows: not)
 INT4_GROUP_SIZE = 32  # GGUF's Q4_0 / Q4_1 block
 
 

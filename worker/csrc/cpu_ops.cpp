@@ -1137,6 +1137,10 @@ inline void amx_pair(const uint16_t* x, const uint16_t* w0, const uint16_t* w1, 
   }
 }
 
+// Rows of x per pass over the weights: they stay in L2 while every output block of the thread's
+// range is computed for them.
+constexpr int64_t kAmxRowBlock = 256;
+
 // Output blocks [begin, end) (an even range) for all m rows of x (padded to 16-row tiles), 32
 // rows at a time: past the first 32 the pair's weight tiles come from cache, not memory.
 void amx_linear_blocks(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m, int64_t k,
@@ -1145,13 +1149,16 @@ void amx_linear_blocks(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
   _tile_loadconfig(&config);
   const int64_t kt = k / 32;
   alignas(64) float c[16 * 16];
-  for (int64_t nb = begin; nb < end; nb += 2) {
-    const uint16_t* w0 = w + nb * kt * 512;
-    for (int64_t r = 0; r < m; r += 32) {
-      if (m - r > 16)
-        amx_pair<2>(x + r * k, w0, w0 + kt * 512, y + r * n, m - r, k, n, nb, c);
-      else
-        amx_pair<1>(x + r * k, w0, w0 + kt * 512, y + r * n, m - r, k, n, nb, c);
+  for (int64_t m0 = 0; m0 < m; m0 += kAmxRowBlock) {  // these rows of x stay in cache
+    const int64_t m1 = std::min(m, m0 + kAmxRowBlock);
+    for (int64_t nb = begin; nb < end; nb += 2) {
+      const uint16_t* w0 = w + nb * kt * 512;
+      for (int64_t r = m0; r < m1; r += 32) {
+        if (m - r > 16)
+          amx_pair<2>(x + r * k, w0, w0 + kt * 512, y + r * n, m - r, k, n, nb, c);
+        else
+          amx_pair<1>(x + r * k, w0, w0 + kt * 512, y + r * n, m - r, k, n, nb, c);
+      }
     }
   }
   _tile_release();
