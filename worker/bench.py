@@ -23,6 +23,7 @@ import torch
 from shoal.messages import IterationPlan, NewRequest
 from shoal.sampling_params import SamplingParams
 from shoal.workloads import W64, W64_QUICK, BenchRequest, make_requests
+from worker import ops
 from worker.engine import Engine
 from worker.offline import stream
 
@@ -204,7 +205,9 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
                           f"{quality['reference_dtype']} {quality[key + 'reference']:.3f}")
     table.add_row("prefill tokens/s", f"{prefill:.0f}")
     table.add_row("quantization", cfg.quantization)
-    table.add_row("C++ kernels", "yes" if engine.model.kernels else "no (torch path)")
+    amx = engine.model.kernels and ops.amx_available()
+    table.add_row("C++ kernels", ("yes, with AMX tiles" if amx else "yes") if engine.model.kernels
+                  else "no (torch path)")
     table.add_row("attention backend", engine.model.attention.name)
     table.add_row("model load, kernel build included (s)", f"{load_s:.1f}")
     table.add_row("K/V blocks", f"{engine.num_total_blocks} x {cfg.block_size} tokens")
@@ -217,7 +220,8 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
         "shoal": ours, "transformers_static_batch8": base,
         "decode_tokens_per_s": decode, "single_stream_decode_tokens_per_s": single,
         "quantization": cfg.quantization, "perplexity": quality,
-        "cpu_kernels": engine.model.kernels, "attention_backend": engine.model.attention.name,
+        "cpu_kernels": engine.model.kernels, "amx": amx,
+        "attention_backend": engine.model.attention.name,
         "prefill_tokens_per_s": prefill,
         "model_load_seconds": load_s, "peak_rss_bytes": peak_rss,
     }
