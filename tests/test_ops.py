@@ -270,22 +270,27 @@ def test_quantize_and_dequantize_rows(dtype):
 
 def test_w8a8_linear_quantizes_activations_of_large_iterations_only():
     g = torch.Generator().manual_seed(22)
-    w = (torch.randn(128, 96, generator=g) * 0.1).to(torch.bfloat16)
+    # 80 input channels: no AMX copy (multiples of 32 only), which would take every size.
+    w = (torch.randn(128, 80, generator=g) * 0.1).to(torch.bfloat16)
     lin = Linear(w, "w8a8", quantize_activations=True, kernels=True)
     plain = Linear(w, "w8a8", kernels=True)  # int8 weight-only for tiny iterations, else bfloat16
     q, scale = quantize_int8(w)
     dequantized = q.float() * scale.float()[:, None]
     for rows in (1, QUANTIZED_MAX_ROWS["w8a8"] + 1, W8A8_MIN_ROWS, 300):
-        x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+        x = torch.randn(rows, 80, generator=g).to(torch.bfloat16)
         exact = torch.nn.functional.linear(x.float(), w.float())
         assert rel(lin(x), exact) <= 2e-2 and rel(plain(x), exact) <= 2e-2
         # Which path served: int8 x int8 equals the dequantized product of the quantized rows.
         xq, xs = ops.quantize_rows(x, kernels=False)
         both = torch.nn.functional.linear(xq.float() * xs[:, None], dequantized)
         assert (rel(lin(x), both) <= 4e-3) == lin.uses_w8a8(rows) == (rows >= W8A8_MIN_ROWS)
-    x = torch.randn(64, 96, generator=g).to(torch.bfloat16)
+    x = torch.randn(64, 80, generator=g).to(torch.bfloat16)
     gate, up = torch.nn.functional.linear(x.float(), w.float()).chunk(2, dim=-1)
     assert rel(lin.silu_and_mul(x), torch.nn.functional.silu(gate) * up) <= 3e-2
+    if ops.amx_available():  # AMX bfloat16 tiles beat int8 x int8 there: never quantized
+        amx = Linear(torch.randn(128, 96, generator=g).to(torch.bfloat16), "w8a8",
+                     quantize_activations=True, kernels=True)
+        assert amx.amx is not None and not amx.uses_w8a8(4096)
 
 
 @pytest.mark.skipif(not ops.int8_gemv_available(), reason="the kernels were built without VNNI")
