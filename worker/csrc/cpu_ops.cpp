@@ -447,8 +447,8 @@ inline void gather_vnni(const uint16_t* k_head, const uint16_t* v_head, const in
   std::fill(sc.v.begin() + nblocks * BS * D, sc.v.end(), 0);
 }
 
-// Rows [row0, row0 + rows) of one request (the last attends `len` tokens) against K/V head h,
-// for the G query heads of h. q and out as in paged_attention_impl.
+// `rows` consecutive query rows of one request (the last attends `len` tokens) against one K/V
+// head, for its G query heads: q and out point at the first row's first of those heads.
 template <int64_t G>
 void attend_amx(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_head,
                 const uint16_t* v_head, const int64_t* table, int64_t rows, int64_t len,
@@ -1064,12 +1064,13 @@ std::tuple<Tensor, Tensor> topk_rows(const Tensor& x, int64_t k) {
 
 #ifdef SHOAL_AMX
 // ---------------------------------------------------------------------------------------------
-// bfloat16 projections of iterations of at most 64 rows on AMX tiles, `y = x W^T`. Such an
-// iteration is bound by reading the weights (SmolLM2: 269 MB a step): oneDNN's kernels read them
-// at about 22 GB/s at 1 row and take 40% longer at 64 rows; here the weights lie in the order the
-// tiles consume them, each thread streams its own contiguous share once, and every 1 KB weight
-// tile serves all the iteration's rows (up to 4 tile products), so the step stays at the
-// memory's pace up to 64 rows.
+// bfloat16 projections on AMX tiles, `y = x W^T`, for iterations of up to about a thousand rows
+// (worker/linear.py decides; oneDNN keeps larger ones). A decode iteration is bound by reading
+// the weights (SmolLM2: 269 MB a step): oneDNN's kernels read them at about 22 GB/s at 1 row and
+// take 40% longer at 64 rows. Here the weights lie in the order the tiles consume them, each
+// thread streams its own contiguous share once, and every 1 KB weight tile serves up to 32 rows
+// straight from memory (then the rest of the rows from cache), so a step stays near the memory's
+// pace up to 64 rows.
 //
 // Packed layout (N and K multiples of 32): `[N / 16][K / 32][16 pairs of K][16 columns][2]`: for
 // each block of 16 output channels, its K / 32 tiles of 32 input channels (pairs interleaved:
