@@ -172,17 +172,20 @@ class Linear:
                 self.max_quantized_rows = VNNI_INT8_MAX_ROWS
         elif quantization == "int4":
             self.quantized = quantize_int4(weight)
-        # `[in, out]` int8 (a transposed view: what torch._int_mm takes) and `[out]` float32 scales.
-        self.w8a8: tuple[torch.Tensor, torch.Tensor] | None = None
-        if quantization == "w8a8" and quantize_activations:
-            q, scale = self.quantized[:2]
-            self.w8a8 = (q.t(), scale.float())
         # AMX tiles serve bfloat16 iterations of up to AMX_MAX_ROWS rows (a second copy of the
         # weight, in the tiles' order; oneDNN's serves larger ones).
         self.amx = None
         if (kernels and weight.dtype == torch.bfloat16 and self.out_features % 32 == 0
                 and self.in_features % 32 == 0 and ops.amx_available()):
             self.amx = torch.ops.shoal.amx_pack_weight(weight)
+        # `[in, out]` int8 (a transposed view: what torch._int_mm takes) and `[out]` float32
+        # scales. Not where AMX tiles serve bfloat16: they beat `torch._int_mm` at every size
+        # measured on an AMX host (`[2048, 576] x [576, 3072]`: 3.2-4.0 ms against oneDNN's
+        # bfloat16 on AMX 2.5 ms; W64 with w8a8 514-525 tokens/s against bfloat16's 600).
+        self.w8a8: tuple[torch.Tensor, torch.Tensor] | None = None
+        if quantization == "w8a8" and quantize_activations and self.amx is None:
+            q, scale = self.quantized[:2]
+            self.w8a8 = (q.t(), scale.float())
         self.packed = None
         self.weight: torch.Tensor | None = weight
         if (pack and weight.dtype in (torch.bfloat16, torch.float32)
@@ -208,11 +211,8 @@ class Linear:
         return F.linear(x, self.weight)
 
     def uses_w8a8(self, rows: int) -> bool:
-        """Whether an iteration of `rows` rows runs int8 x int8: from W8A8_MIN_ROWS rows, and
-        never where AMX tiles serve bfloat16, which beat `torch._int_mm` at every size measured
-        on an AMX host (`[2048, 576] x [576, 3072]`: 3.2-4.0 ms against oneDNN's bfloat16 on AMX
-        2.5 ms; W64 with w8a8 514-525 tokens/s against bfloat16's 600)."""
-        return self.w8a8 is not None and self.amx is None and rows >= W8A8_MIN_ROWS
+        """Whether an iteration of `rows` rows runs int8 x int8."""
+        return self.w8a8 is not None and rows >= W8A8_MIN_ROWS
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU's `silu(gate) * up` of this fused gate/up projection of `x` `[rows, in]` ->
