@@ -130,12 +130,15 @@ def test_decode_attention(dtype, head_dim, block_size, group):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_one_kernel_call_attends_decodes_and_prefill_chunks(dtype):
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_one_kernel_call_attends_decodes_and_prefill_chunks(dtype, group):
     """A whole iteration (decodes, a prompt prefilled at once, and a chunk continuing a cached
     prefix) through the kernel path, which scores every row as a query over its request's pages,
-    against the reference path (SDPA per chunk, gathered blocks)."""
-    g = torch.Generator().manual_seed(17)
-    hkv, group, d, bs, num_blocks = 3, 3, 64, 16, 64
+    against the reference path (SDPA per chunk, gathered blocks). In bfloat16 the prefill chunks
+    take the bfloat16-pair kernels where the CPU has them (AVX512_BF16 or AMX), one instantiation
+    per GQA group."""
+    g = torch.Generator().manual_seed(17 + group)
+    hkv, d, bs, num_blocks = 3, 64, 16, 64
     k_pool, v_pool = _random_cache(g, hkv, num_blocks, bs, d, dtype)
     free = torch.randperm(num_blocks, generator=g).tolist()
 
@@ -159,6 +162,9 @@ def test_one_kernel_call_attends_decodes_and_prefill_chunks(dtype):
     out = TorchAttention(cpu_kernels=True).forward(q, k, v, k_pool, v_pool, meta, scale)
     assert out.shape == ref.shape and out.dtype == dtype
     assert rel(out, ref) <= TOL[dtype]
+    for span in meta.prefills:  # each chunk by itself: a wrong one is not hidden by the rest
+        rows = slice(span.start, span.end)
+        assert rel(out[rows], ref[rows]) <= TOL[dtype], (span.num_cached, span.end - span.start)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -359,55 +359,33 @@ void attend_generic(const AttnItem<scalar_t>& it, int64_t g, int64_t bs, int64_t
   }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define SHOAL_AMX 1
-// Prefill attention on AMX tiles (Intel Sapphire Rapids and later): a request's prefill chunk
-// against one K/V head, 16 query rows at a time, `S = Q K^T` and `O = P V` as tile products of
-// bfloat16 into float32 (tdpbf16ps: 16 x 16 x 32 multiply-adds per instruction, 16x the fp32
-// FMAs of the kernel above per cycle). The request's keys and values of this head are first
-// copied out of their blocks into the layouts the tiles read (pairs of consecutive elements
-// along the reduced dimension interleaved: "VNNI"), once per (request, head) for all its rows:
-// keys `[D / 2][T][2]` (pairs of dimensions), values `[T / 2][D][2]` (pairs of tokens). Softmax
-// runs in float32 and rounds P to bfloat16 for the second product, as flash attention does in
-// bfloat16. Only head_dim 64 and 16-token blocks take it; other shapes keep the kernels above.
-// Measured on a 2-core Xeon with AMX (14 prompts of 146 tokens, one layer): see docs/engine.md.
+#if defined(__AVX512BF16__)
+#define SHOAL_VNNI_ATTENTION 1
+// Prefill attention on bfloat16 pairs. A request's prefill chunk is scored against one K/V head
+// at a time, 16 query rows at a time; the keys and values of that head are first copied out of
+// their blocks, once per (request, head) for all its rows, into layouts where pairs of
+// consecutive elements along the reduced dimension are interleaved ("VNNI"): keys
+// `[D / 2][T][2]` (pairs of dimensions), values `[T / 2][D][2]` (pairs of tokens). Then both
+// products, `S = Q K^T` and `O = P V`, multiply bfloat16 pairs into float32: one AVX512_BF16
+// `vdpbf16ps` does 32 multiply-adds where an fp32 FMA does 16 (attend_dpbf16), and an AMX tile
+// product 16 x 16 x 32 (attend_amx). Softmax runs in float32 between them and rounds P to
+// bfloat16, as flash attention does in bfloat16. Only head_dim 64 and 16-token blocks take these
+// kernels; other shapes keep the ones above. Figures in docs/engine.md.
 
-constexpr int64_t kAmxRows = 16, kAmxD = 64, kAmxBS = 16;
+constexpr int64_t kVnniRows = 16, kVnniD = 64, kVnniBS = 16;
 
-// Linux hands out the AMX tile state only to processes that ask for it (arch_prctl).
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kGetPerm = 0x1022, kReqPerm = 0x1023, kXtileData = 18;
-    unsigned long mask = 0;
-    if (syscall(SYS_arch_prctl, kGetPerm, &mask) == 0 && (mask & (1UL << kXtileData))) return true;
-    return syscall(SYS_arch_prctl, kReqPerm, kXtileData) == 0;
-  }();
-  return ok;
-}
-
-// Every tile 16 rows of 64 bytes: tmm0-3 float32 accumulators, tmm4-5 A operands, tmm6-7 B.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int i = 0; i < 8; ++i) colsb[i] = 64, rows[i] = 16;
-  }
-};
-
-// Per-thread buffers of the AMX path.
-struct AmxScratch {
-  std::vector<uint16_t> k, v, p;  // keys [D/2][Tk][2], values [Tv/2][D][2], P [16][Tv]
-  std::vector<float> s;           // scores [16][Tv]
-  alignas(64) uint16_t q[kAmxRows * kAmxD];
-  alignas(64) float o[kAmxRows * kAmxD];
+// Per-thread buffers of the prefill kernels.
+struct VnniScratch {
+  std::vector<uint16_t> k, v, p, q;  // keys [D/2][Tk][2], values [Tv/2][D][2], P [queries][Tv], Q
+  std::vector<float> s;              // scores [queries][Tv]
+  alignas(64) float o[kVnniRows * kVnniD];
 };
 
 // One request's keys and values of one head, `len` tokens, into the VNNI layouts, zero past
 // `len` up to tk (keys) and tv (values) tokens.
 inline void gather_vnni(const uint16_t* k_head, const uint16_t* v_head, const int64_t* table,
-                        int64_t len, int64_t tk, int64_t tv, AmxScratch& sc) {
-  constexpr int64_t D = kAmxD, BS = kAmxBS;
+                        int64_t len, int64_t tk, int64_t tv, VnniScratch& sc) {
+  constexpr int64_t D = kVnniD, BS = kVnniBS;
   sc.k.assign(D * tk, 0);
   sc.v.resize(tv * D);
   // Interleaves a (lanes 0-15 of the index) with b (32-47): out[2i] = a[i], out[2i + 1] = b[i].
@@ -447,17 +425,155 @@ inline void gather_vnni(const uint16_t* k_head, const uint16_t* v_head, const in
   std::fill(sc.v.begin() + nblocks * BS * D, sc.v.end(), 0);
 }
 
+// One query's softmax: `s[0, n)` holds its unscaled scores `q . k`; writes
+// `P = exp(scale * s - max)` as bfloat16 to `p[0, n)` and zeros on to `upto` (a multiple of 16),
+// and returns 1 / sum(P) (0 when n is 0: a padding query).
+inline float softmax_bf16(const float* s, uint16_t* p, int64_t n, int64_t upto, float scale) {
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < n; t += 16)
+    mx = _mm512_max_ps(mx, _mm512_maskz_loadu_ps(n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1, s + t));
+  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * scale), sc16 = _mm512_set1_ps(scale);
+  __m512 sum = _mm512_setzero_ps();
+  int64_t t = 0;
+  for (; t < n; t += 16) {
+    const __mmask16 valid = n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1;
+    const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + t), sc16, shift)));
+    sum = _mm512_add_ps(sum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  for (; t < upto; t += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), _mm256_setzero_si256());
+  return n ? 1.f / _mm512_reduce_add_ps(sum) : 0.f;
+}
+
+inline __m512bh broadcast_pair(const uint16_t* p) {
+  return (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(p[0] | (uint32_t(p[1]) << 16)));
+}
+
+constexpr int64_t kDpQueries = 4;  // queries per register block of attend_dpbf16
+
+// Scores of kDpQueries queries (`q` [4][D]) against KB blocks of 16 keys from block c0 on:
+// 4 x KB accumulators, each key vector loaded once for the 4 queries.
+template <int64_t KB>
+inline void scores_dpbf16(const uint16_t* q, const uint16_t* k, int64_t tk, int64_t c0, float* s,
+                          int64_t tv) {
+  constexpr int64_t D = kVnniD, QB = kDpQueries;
+  __m512 acc[QB][KB];
+  for (int64_t i = 0; i < QB; ++i)
+    for (int64_t b = 0; b < KB; ++b) acc[i][b] = _mm512_setzero_ps();
+  for (int64_t pr = 0; pr < D / 2; ++pr) {
+    __m512bh kv[KB];
+    for (int64_t b = 0; b < KB; ++b)
+      kv[b] = (__m512bh)_mm512_loadu_si512(k + (pr * tk + (c0 + b) * 16) * 2);
+    for (int64_t i = 0; i < QB; ++i) {
+      const __m512bh qp = broadcast_pair(q + i * D + 2 * pr);
+      for (int64_t b = 0; b < KB; ++b) acc[i][b] = _mm512_dpbf16_ps(acc[i][b], qp, kv[b]);
+    }
+  }
+  for (int64_t i = 0; i < QB; ++i)
+    for (int64_t b = 0; b < KB; ++b) _mm512_storeu_ps(s + i * tv + (c0 + b) * 16, acc[i][b]);
+}
+
+// `rows` consecutive query rows of one request (the last attends `len` tokens) against one K/V
+// head, for its G query heads, with vdpbf16ps: q and out point at the first row's first of those
+// heads. The G heads of 16 rows are one list of queries, taken kDpQueries at a time.
+template <int64_t G>
+void attend_dpbf16(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_head,
+                   const uint16_t* v_head, const int64_t* table, int64_t rows, int64_t len,
+                   float scale, uint16_t* out, int64_t out_row_stride, VnniScratch& sc) {
+  constexpr int64_t D = kVnniD, R = kVnniRows, QB = kDpQueries;
+  constexpr int64_t NQ = (R * G + QB - 1) / QB * QB;  // queries of a full group, padded
+  const int64_t tk = (len + 15) / 16 * 16, tv = (len + 31) / 32 * 32;
+  gather_vnni(k_head, v_head, table, len, tk, tv, sc);
+  sc.s.resize(NQ * tv);
+  sc.p.resize(NQ * tv);
+  sc.q.resize(NQ * D);
+  for (int64_t r0 = 0; r0 < rows; r0 += R) {
+    const int64_t m = std::min(R, rows - r0), nq = m * G, nq_pad = (nq + QB - 1) / QB * QB;
+    const int64_t last = len - (rows - (r0 + m));  // tokens the group's last row attends
+    const int64_t nk = (last + 15) / 16, npairs = (last + 31) / 32 * 16;
+    for (int64_t x = 0; x < nq_pad; ++x)  // query x: row x / G, head x % G
+      if (x < nq)
+        std::memcpy(sc.q.data() + x * D, q + (r0 + x / G) * q_row_stride + (x % G) * D, D * 2);
+      else
+        std::memset(sc.q.data() + x * D, 0, D * 2);
+    float inv_sum[NQ];
+    for (int64_t x0 = 0; x0 < nq_pad; x0 += QB) {
+      const uint16_t* qb = sc.q.data() + x0 * D;
+      float* s = sc.s.data() + x0 * tv;
+      int64_t c = 0;
+      for (; c + 4 <= nk; c += 4) scores_dpbf16<4>(qb, sc.k.data(), tk, c, s, tv);
+      switch (nk - c) {
+        case 3: scores_dpbf16<3>(qb, sc.k.data(), tk, c, s, tv); break;
+        case 2: scores_dpbf16<2>(qb, sc.k.data(), tk, c, s, tv); break;
+        case 1: scores_dpbf16<1>(qb, sc.k.data(), tk, c, s, tv); break;
+        default: break;
+      }
+      for (int64_t x = x0; x < x0 + QB; ++x)
+        inv_sum[x] = softmax_bf16(sc.s.data() + x * tv, sc.p.data() + x * tv,
+                                  x < nq ? last - (m - 1 - x / G) : 0, npairs * 2, scale);
+      __m512 o[QB][D / 16];
+      for (int64_t i = 0; i < QB; ++i)
+        for (int64_t c4 = 0; c4 < D / 16; ++c4) o[i][c4] = _mm512_setzero_ps();
+      const uint16_t* p = sc.p.data() + x0 * tv;
+      for (int64_t u = 0; u < npairs; ++u) {  // token pair u: values [D][2]
+        __m512bh vv[D / 16];
+        for (int64_t c4 = 0; c4 < D / 16; ++c4)
+          vv[c4] = (__m512bh)_mm512_loadu_si512(sc.v.data() + (u * D + 16 * c4) * 2);
+        for (int64_t i = 0; i < QB; ++i) {
+          const __m512bh pp = broadcast_pair(p + i * tv + 2 * u);
+          for (int64_t c4 = 0; c4 < D / 16; ++c4) o[i][c4] = _mm512_dpbf16_ps(o[i][c4], pp, vv[c4]);
+        }
+      }
+      for (int64_t i = 0; i < QB && x0 + i < nq; ++i) {
+        const int64_t x = x0 + i;
+        uint16_t* dst = out + (r0 + x / G) * out_row_stride + (x % G) * D;
+        const __m512 inv = _mm512_set1_ps(inv_sum[x]);
+        for (int64_t c4 = 0; c4 < D / 16; ++c4) store16(dst + 16 * c4, _mm512_mul_ps(o[i][c4], inv));
+      }
+    }
+  }
+}
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define SHOAL_AMX 1
+// AMX tiles (Intel Sapphire Rapids and later): the prefill kernel above with tile products,
+// 16 query rows by 16 keys (or 16 output columns) by 32 pairs per tdpbf16ps; and the projections
+// of small iterations (amx_linear, below). Measured on a 2-core Xeon with AMX: docs/engine.md.
+
+// Linux hands out the AMX tile state only to processes that ask for it (arch_prctl).
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kGetPerm = 0x1022, kReqPerm = 0x1023, kXtileData = 18;
+    unsigned long mask = 0;
+    if (syscall(SYS_arch_prctl, kGetPerm, &mask) == 0 && (mask & (1UL << kXtileData))) return true;
+    return syscall(SYS_arch_prctl, kReqPerm, kXtileData) == 0;
+  }();
+  return ok;
+}
+
+// Every tile 16 rows of 64 bytes: tmm0-3 float32 accumulators, tmm4-5 A operands, tmm6-7 B.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int i = 0; i < 8; ++i) colsb[i] = 64, rows[i] = 16;
+  }
+};
+
 // `rows` consecutive query rows of one request (the last attends `len` tokens) against one K/V
 // head, for its G query heads: q and out point at the first row's first of those heads.
 template <int64_t G>
 void attend_amx(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_head,
                 const uint16_t* v_head, const int64_t* table, int64_t rows, int64_t len,
-                float scale, uint16_t* out, int64_t out_row_stride, AmxScratch& sc) {
-  constexpr int64_t D = kAmxD, R = kAmxRows;
+                float scale, uint16_t* out, int64_t out_row_stride, VnniScratch& sc) {
+  constexpr int64_t D = kVnniD, R = kVnniRows;
   const int64_t tk = (len + 15) / 16 * 16, tv = (len + 31) / 32 * 32;
   gather_vnni(k_head, v_head, table, len, tk, tv, sc);
   sc.s.resize(R * tv);
   sc.p.resize(R * tv);
+  sc.q.resize(R * D);
   static const TileConfig config;
   _tile_loadconfig(&config);
   for (int64_t r0 = 0; r0 < rows; r0 += R) {
@@ -467,11 +583,11 @@ void attend_amx(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_head,
     for (int64_t j = 0; j < G; ++j) {
       for (int64_t i = 0; i < R; ++i)
         if (i < m)
-          std::memcpy(sc.q + i * D, q + (r0 + i) * q_row_stride + j * D, D * sizeof(uint16_t));
+          std::memcpy(sc.q.data() + i * D, q + (r0 + i) * q_row_stride + j * D, D * sizeof(uint16_t));
         else
-          std::memset(sc.q + i * D, 0, D * sizeof(uint16_t));
-      _tile_loadd(4, sc.q, D * 2);
-      _tile_loadd(5, sc.q + 32, D * 2);
+          std::memset(sc.q.data() + i * D, 0, D * sizeof(uint16_t));
+      _tile_loadd(4, sc.q.data(), D * 2);
+      _tile_loadd(5, sc.q.data() + 32, D * 2);
       for (int64_t c = 0; c < nk; ++c) {  // S[:, 16c : 16c + 16]
         _tile_zero(0);
         _tile_loadd(6, sc.k.data() + c * 16 * 2, tk * 4);
@@ -481,25 +597,9 @@ void attend_amx(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_head,
         _tile_stored(0, sc.s.data() + c * 16, tv * 4);
       }
       float inv_sum[R];
-      for (int64_t i = 0; i < R; ++i) {  // softmax of row i over its tokens, P in bfloat16
-        float* s = sc.s.data() + i * tv;
-        uint16_t* p = sc.p.data() + i * tv;
-        const int64_t n = i < m ? last - (m - 1 - i) : 0;
-        __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t t = 0; t < n; t += 16)
-          mx = _mm512_max_ps(mx, _mm512_maskz_loadu_ps(n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1, s + t));
-        const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * scale), sc16 = _mm512_set1_ps(scale);
-        __m512 sum = _mm512_setzero_ps();
-        int64_t t = 0;
-        for (; t < n; t += 16) {
-          const __mmask16 valid = n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1;
-          const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + t), sc16, shift)));
-          sum = _mm512_add_ps(sum, e);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), (__m256i)_mm512_cvtneps_pbh(e));
-        }
-        for (; t < nv * 32; t += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), _mm256_setzero_si256());
-        inv_sum[i] = n ? 1.f / _mm512_reduce_add_ps(sum) : 0.f;
-      }
+      for (int64_t i = 0; i < R; ++i)
+        inv_sum[i] = softmax_bf16(sc.s.data() + i * tv, sc.p.data() + i * tv,
+                                  i < m ? last - (m - 1 - i) : 0, nv * 32, scale);
       _tile_zero(0);  // tmm0-3: O[:, 0:16], ..., O[:, 48:64]
       _tile_zero(1);
       _tile_zero(2);
@@ -531,7 +631,7 @@ void attend_amx(const uint16_t* q, int64_t q_row_stride, const uint16_t* k_head,
 }
 #endif
 
-struct AmxScratch;  // defined where the AMX kernel is built
+struct VnniScratch;  // defined where the prefill kernels are built
 
 template <typename scalar_t>
 void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
@@ -574,30 +674,40 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_pool, co
   // Work items (sequence, first row, rows): full tiles where a tile kernel exists, then rows one
   // by one. Costs vary with the tokens attended, so items are handed out dynamically, longest
   // first: with static halves, a thread that the OS preempts holds the other one at the end.
-  // A request with more than kTile query rows (a prefill chunk) is one AMX item per head where
-  // the AMX kernel serves this shape.
-  using AmxFn = void (*)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, const int64_t*,
-                         int64_t, int64_t, float, uint16_t*, int64_t, AmxScratch&);
-  AmxFn amx = nullptr;
-#ifdef SHOAL_AMX
+  // A request with more than kTile query rows (a prefill chunk) is one item per head for the
+  // bfloat16-pair kernels, where they serve this shape: on AMX tiles where the CPU has them.
+  using PrefillFn = void (*)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*,
+                             const int64_t*, int64_t, int64_t, float, uint16_t*, int64_t,
+                             VnniScratch&);
+  PrefillFn prefill = nullptr;
+  int64_t prefill_speedup = 1;  // against the kernels above, per token scored (measured)
+#ifdef SHOAL_VNNI_ATTENTION
   if constexpr (std::is_same_v<scalar_t, uint16_t>) {
-    if (d == kAmxD && bs == kAmxBS && qs1 == d && amx_permitted()) {
-      if (g == 1) amx = attend_amx<1>;
-      if (g == 3) amx = attend_amx<3>;
-      if (g == 4) amx = attend_amx<4>;
+    if (d == kVnniD && bs == kVnniBS && qs1 == d) {
+      if (g == 1) prefill = attend_dpbf16<1>;
+      if (g == 3) prefill = attend_dpbf16<3>;
+      if (g == 4) prefill = attend_dpbf16<4>;
+      prefill_speedup = 2;
+#ifdef SHOAL_AMX
+      if (amx_permitted()) {
+        if (g == 1) prefill = attend_amx<1>;
+        if (g == 3) prefill = attend_amx<3>;
+        if (g == 4) prefill = attend_amx<4>;
+        prefill_speedup = 4;
+      }
+#endif
     }
   }
 #endif
-  struct Work { int64_t seq, row, rows, len, cost; bool amx; };
+  struct Work { int64_t seq, row, rows, len, cost; bool vnni; };
   std::vector<Work> work;
   int64_t max_len = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t first = starts[s], last = starts[s + 1];
     TORCH_CHECK(last > first && last - first <= lens[s], "sequence ", s, ": bad query rows");
     max_len = std::max(max_len, lens[s]);
-    if (amx && last - first > kTile) {
-      // Tokens scored, at about a quarter of the cost of the kernels above (measured).
-      work.push_back({s, first, last - first, lens[s], (last - first) * lens[s] / 4, true});
+    if (prefill && last - first > kTile) {
+      work.push_back({s, first, last - first, lens[s], (last - first) * lens[s] / prefill_speedup, true});
       continue;
     }
     for (int64_t r = first; r < last;) {
@@ -615,19 +725,19 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_pool, co
   {
     alignas(64) float qf[kTile * kMaxGroup * kMaxHeadDim];
     std::vector<float> scores;
-#ifdef SHOAL_AMX
-    AmxScratch amx_scratch;
+#ifdef SHOAL_VNNI_ATTENTION
+    VnniScratch vnni_scratch;
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; ++item) {
       const Work& w = work[item / hkv];
       const int64_t h = item % hkv, padded = (w.len + bs - 1) / bs * bs;
-#ifdef SHOAL_AMX
-      if (w.amx) {
+#ifdef SHOAL_VNNI_ATTENTION
+      if (w.vnni) {
         if constexpr (std::is_same_v<scalar_t, uint16_t>)
-          amx(qp + w.row * qs0 + h * g * qs1, qs0, kp + h * nb * d * bs, vp + h * nb * bs * d,
-              tables + w.seq * max_blocks, w.rows, w.len, fscale, op + (w.row * hq + h * g) * d,
-              hq * d, amx_scratch);
+          prefill(qp + w.row * qs0 + h * g * qs1, qs0, kp + h * nb * d * bs, vp + h * nb * bs * d,
+                  tables + w.seq * max_blocks, w.rows, w.len, fscale,
+                  op + (w.row * hq + h * g) * d, hq * d, vnni_scratch);
         continue;
       }
 #endif
