@@ -9,6 +9,7 @@ from worker import cpu_ops, ops
 from worker.attention import TorchAttention, build_metadata, decode_attention_reference, write_kv
 from worker.linear import (
     AMX_MAX_ROWS,
+    DP_MAX_ROWS,
     QUANTIZED_MAX_ROWS,
     W8A8_MIN_ROWS,
     Linear,
@@ -190,26 +191,38 @@ def test_packed_linear_matches_f_linear(dtype, bound):
         assert rel(lin(x), torch.nn.functional.linear(x, w)) <= bound
 
 
-@pytest.mark.skipif(not ops.amx_available(), reason="no AMX on this CPU (or not permitted)")
-@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (64, 160)])
-def test_amx_linear_serves_iterations_of_few_rows(out_features, in_features):
-    """shoal::amx_linear (weights in tile order) against float32 math for every row count it
-    takes (whole and partial 16-row tiles); Linear hands it exactly those iterations."""
+@pytest.mark.skipif(not ops.dp_linear_available(), reason="the kernels were built without AVX512_BF16")
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (64, 160), (160, 1536)])
+def test_bfloat16_pair_kernels_serve_their_iterations(out_features, in_features):
+    """shoal::dp_linear (AVX512_BF16) and, where the CPU has AMX, shoal::amx_linear, both over
+    weights packed in pairs of input channels, against float32 math for row counts that fill
+    and that leave partial register blocks, tiles and row passes (1,536 inputs: 80 rows a pass);
+    Linear hands the pair kernels exactly the iterations it should."""
     g = torch.Generator().manual_seed(30 + in_features)
     w = (torch.randn(out_features, in_features, generator=g) * 0.1).to(torch.bfloat16)
-    packed = torch.ops.shoal.amx_pack_weight(w)
+    packed = torch.ops.shoal.pack_weight_pairs(w)
     lin = Linear(w, kernels=True)
-    assert lin.amx is not None
-    for rows in (1, 7, 16, 17, 40, 64, 100, AMX_MAX_ROWS, AMX_MAX_ROWS + 1, 300):
+    assert lin.pairs is not None and lin.amx == ops.amx_available()
+    assert lin.pairs_max_rows == (AMX_MAX_ROWS if lin.amx else DP_MAX_ROWS)
+    for rows in (1, 3, 7, 8, 16, 17, 40, 64, 81, 100, 300, lin.pairs_max_rows,
+                 lin.pairs_max_rows + 1, 2 * AMX_MAX_ROWS):
         x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
         exact = torch.nn.functional.linear(x.float(), w.float())
         y = lin(x)
         assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
         assert rel(y, exact) <= 5e-3
-        if rows <= AMX_MAX_ROWS:
-            assert torch.equal(y, torch.ops.shoal.amx_linear(x, packed))
+        dp = torch.ops.shoal.dp_linear(x, packed)
+        assert rel(dp, exact) <= 5e-3, rows
+        if rows <= lin.pairs_max_rows:
+            pair_kernel = torch.ops.shoal.amx_linear if lin.amx else torch.ops.shoal.dp_linear
+            assert torch.equal(y, pair_kernel(x, packed)), rows
+        else:  # larger iterations: oneDNN's prepacked copy
+            assert torch.equal(y, torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none",
+                                                                     [None], "")), rows
     with pytest.raises(RuntimeError, match="multiples of 32"):
-        torch.ops.shoal.amx_pack_weight(w[:, :40].contiguous())
+        torch.ops.shoal.pack_weight_pairs(w[:, :40].contiguous())
+    with pytest.raises(RuntimeError, match="packed by pack_weight_pairs"):
+        torch.ops.shoal.dp_linear(torch.zeros(2, in_features + 32, dtype=torch.bfloat16), packed)
 
 
 def test_int8_linear_is_used_for_few_rows_only():
@@ -296,7 +309,7 @@ def test_w8a8_linear_quantizes_activations_of_large_iterations_only():
     if ops.amx_available():  # AMX bfloat16 tiles beat int8 x int8 there: never quantized
         amx = Linear(torch.randn(128, 96, generator=g).to(torch.bfloat16), "w8a8",
                      quantize_activations=True, kernels=True)
-        assert amx.amx is not None and not amx.uses_w8a8(4096)
+        assert amx.amx and not amx.uses_w8a8(4096)
 
 
 @pytest.mark.skipif(not ops.int8_gemv_available(), reason="the kernels were built without VNNI")

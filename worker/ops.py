@@ -71,6 +71,12 @@ def int8_gemv_available() -> bool:
     return cpu_ops.load() and hasattr(torch.ops.shoal, "int8_gemv")
 
 
+def dp_linear_available() -> bool:
+    """True when the C++ kernels were built with AVX512_BF16: `shoal::dp_linear` and the
+    bfloat16-pair prefill attention (worker/linear.py, worker/csrc/cpu_ops.cpp)."""
+    return cpu_ops.load() and hasattr(torch.ops.shoal, "dp_linear")
+
+
 def amx_available() -> bool:
     """True when the C++ kernels were built for AMX (bfloat16 tiles) and Linux lets this process
     use them: `shoal::amx_linear` (worker/linear.py) and the prefill attention's tile path."""

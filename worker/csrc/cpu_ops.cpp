@@ -360,7 +360,7 @@ void attend_generic(const AttnItem<scalar_t>& it, int64_t g, int64_t bs, int64_t
 }
 
 #if defined(__AVX512BF16__)
-#define SHOAL_VNNI_ATTENTION 1
+#define SHOAL_BF16_PAIRS 1
 // Prefill attention on bfloat16 pairs. A request's prefill chunk is scored against one K/V head
 // at a time, 16 query rows at a time; the keys and values of that head are first copied out of
 // their blocks, once per (request, head) for all its rows, into layouts where pairs of
@@ -681,7 +681,7 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_pool, co
                              VnniScratch&);
   PrefillFn prefill = nullptr;
   int64_t prefill_speedup = 1;  // against the kernels above, per token scored (measured)
-#ifdef SHOAL_VNNI_ATTENTION
+#ifdef SHOAL_BF16_PAIRS
   if constexpr (std::is_same_v<scalar_t, uint16_t>) {
     if (d == kVnniD && bs == kVnniBS && qs1 == d) {
       if (g == 1) prefill = attend_dpbf16<1>;
@@ -725,14 +725,14 @@ void paged_attention_impl(Tensor& out, const Tensor& q, const Tensor& k_pool, co
   {
     alignas(64) float qf[kTile * kMaxGroup * kMaxHeadDim];
     std::vector<float> scores;
-#ifdef SHOAL_VNNI_ATTENTION
+#ifdef SHOAL_BF16_PAIRS
     VnniScratch vnni_scratch;
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; ++item) {
       const Work& w = work[item / hkv];
       const int64_t h = item % hkv, padded = (w.len + bs - 1) / bs * bs;
-#ifdef SHOAL_VNNI_ATTENTION
+#ifdef SHOAL_BF16_PAIRS
       if (w.vnni) {
         if constexpr (std::is_same_v<scalar_t, uint16_t>)
           prefill(qp + w.row * qs0 + h * g * qs1, qs0, kp + h * nb * d * bs, vp + h * nb * bs * d,
@@ -1180,33 +1180,8 @@ std::tuple<Tensor, Tensor> topk_rows(const Tensor& x, int64_t k) {
 // take 40% longer at 64 rows. Here the weights lie in the order the tiles consume them, each
 // thread streams its own contiguous share once, and every 1 KB weight tile serves up to 32 rows
 // straight from memory (then the rest of the rows from cache), so a step stays near the memory's
-// pace up to 64 rows.
-//
-// Packed layout (N and K multiples of 32): `[N / 16][K / 32][16 pairs of K][16 columns][2]`: for
-// each block of 16 output channels, its K / 32 tiles of 32 input channels (pairs interleaved:
-// the B operand of tdpbf16ps), one after the other.
+// pace up to 64 rows. Weights packed by pack_weight_pairs (below).
 // ---------------------------------------------------------------------------------------------
-Tensor amx_pack_weight(const Tensor& w) {
-  check_cpu_contiguous(w, "weight");
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "weight [N, K] bfloat16");
-  const int64_t n = w.size(0), k = w.size(1);
-  TORCH_CHECK(n % 32 == 0 && k % 32 == 0, "AMX weights need N and K multiples of 32, got ",
-              n, " x ", k);
-  Tensor out = at::empty({n / 16, k / 32, 16, 16, 2}, w.options());
-  const uint16_t* src = ptr<uint16_t>(w);
-  uint16_t* dst = ptr<uint16_t>(out);
-  at::parallel_for(0, n / 16, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t nb = begin; nb < end; ++nb)
-      for (int64_t kb = 0; kb < k / 32; ++kb) {
-        uint16_t* tile = dst + (nb * (k / 32) + kb) * 512;
-        for (int64_t r = 0; r < 16; ++r)
-          for (int64_t c = 0; c < 16; ++c)
-            for (int64_t e = 0; e < 2; ++e)
-              tile[(r * 16 + c) * 2 + e] = src[(nb * 16 + c) * k + kb * 32 + 2 * r + e];
-      }
-  });
-  return out;
-}
 
 // A stored accumulator tile c (16 x 16 float32) into rows [16 i, 16 i + 16) (up to row m) and
 // output channels [16 nb, 16 nb + 16) of y.
@@ -1276,7 +1251,7 @@ void amx_linear_blocks(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 }
 #undef SHOAL_STORE_TILE
 
-// y = x W^T for x `[M, K]` bfloat16 (any M >= 1) against W packed by amx_pack_weight; returns
+// y = x W^T for x `[M, K]` bfloat16 (any M >= 1) against W packed by pack_weight_pairs; returns
 // `[M, N]` bfloat16 (float32 accumulation).
 Tensor amx_linear(const Tensor& x_in, const Tensor& packed) {
   TORCH_CHECK(x_in.device().is_cpu(), "x must be on the CPU");
@@ -1286,7 +1261,7 @@ Tensor amx_linear(const Tensor& x_in, const Tensor& packed) {
               "x and the weight must be bfloat16");
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * 16;
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 5 && packed.size(1) * 32 == k,
-              "x [M, K] against a weight packed by amx_pack_weight for K = ", packed.size(1) * 32);
+              "x [M, K] against a weight packed by pack_weight_pairs for K = ", packed.size(1) * 32);
   TORCH_CHECK(m >= 1, "amx_linear needs at least one row");
   TORCH_CHECK(amx_permitted(), "AMX is not available to this process");
   const int mb = static_cast<int>((m + 15) / 16);
@@ -1304,6 +1279,127 @@ Tensor amx_linear(const Tensor& x_in, const Tensor& packed) {
   const int64_t pairs = n / 32, threads = at::get_num_threads();
   at::parallel_for(0, pairs, (pairs + threads - 1) / threads, [&](int64_t begin, int64_t end) {
     amx_linear_blocks(xq, wq, yq, m, k, n, 2 * begin, 2 * end);
+  });
+  return y;
+}
+#endif
+
+#ifdef SHOAL_BF16_PAIRS
+// ---------------------------------------------------------------------------------------------
+// bfloat16 projections `y = x W^T` against weights packed in pairs of input channels, the layout
+// both AMX tiles (amx_linear, above) and AVX512_BF16 dot products (dp_linear, below) consume:
+// `[N / 16][K / 32][16 pairs of K][16 columns][2]` (N and K multiples of 32), that is, for each
+// block of 16 output channels its K / 2 pairs in order, each pair of the 16 channels one 64-byte
+// vector (the B operand of tdpbf16ps and of vdpbf16ps).
+// ---------------------------------------------------------------------------------------------
+Tensor pack_weight_pairs(const Tensor& w) {
+  check_cpu_contiguous(w, "weight");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "weight [N, K] bfloat16");
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(n % 32 == 0 && k % 32 == 0, "packed weights need N and K multiples of 32, got ",
+              n, " x ", k);
+  Tensor out = at::empty({n / 16, k / 32, 16, 16, 2}, w.options());
+  const uint16_t* src = ptr<uint16_t>(w);
+  uint16_t* dst = ptr<uint16_t>(out);
+  at::parallel_for(0, n / 16, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb)
+      for (int64_t kb = 0; kb < k / 32; ++kb) {
+        uint16_t* tile = dst + (nb * (k / 32) + kb) * 512;
+        for (int64_t r = 0; r < 16; ++r)
+          for (int64_t c = 0; c < 16; ++c)
+            for (int64_t e = 0; e < 2; ++e)
+              tile[(r * 16 + c) * 2 + e] = src[(nb * 16 + c) * k + kb * 32 + 2 * r + e];
+      }
+  });
+  return out;
+}
+
+// y = x W^T with AVX512_BF16 dot products, for CPUs without AMX, against W packed by
+// pack_weight_pairs: `[N / 16][K / 2][16][2]`, so one 64-byte vector holds a pair of input
+// channels for 16 output channels, and `vdpbf16ps` with a broadcast pair of x adds 32 products.
+// A thread takes a contiguous run of 16-channel blocks, NR at a time (NR x K weights, 55 KB for
+// K = 576 and NR = 3: they stay in L1/L2 while every row of x passes), rows MR at a time in
+// MR x NR accumulators; so the weights stream from memory once per iteration, as in a GEMV, and
+// each weight vector loaded from cache serves MR rows.
+constexpr int64_t kDpRows = 8, kDpBlocks = 3;
+
+template <int64_t MR, int64_t NR>
+inline void dp_linear_tile(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t k,
+                           int64_t n, int64_t nb) {
+  __m512 acc[MR][NR];
+  for (int64_t i = 0; i < MR; ++i)
+    for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t kp = k / 2;
+  for (int64_t p = 0; p < kp; ++p) {
+    __m512bh wv[NR];
+    for (int64_t j = 0; j < NR; ++j)
+      wv[j] = (__m512bh)_mm512_loadu_si512(w + ((nb + j) * kp + p) * 32);
+    for (int64_t i = 0; i < MR; ++i) {
+      const __m512bh xp = broadcast_pair(x + i * k + 2 * p);
+      for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xp, wv[j]);
+    }
+  }
+  for (int64_t i = 0; i < MR; ++i)
+    for (int64_t j = 0; j < NR; ++j)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * n + (nb + j) * 16),
+                          (__m256i)_mm512_cvtneps_pbh(acc[i][j]));
+}
+
+template <int64_t NR>
+void dp_linear_rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m, int64_t k,
+                    int64_t n, int64_t nb) {
+  int64_t r = 0;
+  for (; r + kDpRows <= m; r += kDpRows) dp_linear_tile<kDpRows, NR>(x + r * k, w, y + r * n, k, n, nb);
+  const uint16_t* xr = x + r * k;
+  uint16_t* yr = y + r * n;
+  switch (m - r) {
+    case 7: dp_linear_tile<7, NR>(xr, w, yr, k, n, nb); break;
+    case 6: dp_linear_tile<6, NR>(xr, w, yr, k, n, nb); break;
+    case 5: dp_linear_tile<5, NR>(xr, w, yr, k, n, nb); break;
+    case 4: dp_linear_tile<4, NR>(xr, w, yr, k, n, nb); break;
+    case 3: dp_linear_tile<3, NR>(xr, w, yr, k, n, nb); break;
+    case 2: dp_linear_tile<2, NR>(xr, w, yr, k, n, nb); break;
+    case 1: dp_linear_tile<1, NR>(xr, w, yr, k, n, nb); break;
+    default: break;
+  }
+}
+
+// Bytes of x per pass over the weights: those rows stay in L2 (1 MB on Zen 5) while the thread's
+// blocks pass; more rows are taken in several passes, each streaming the weights again.
+constexpr int64_t kDpRowBytes = 256 << 10;
+
+void dp_linear_blocks(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m, int64_t k,
+                      int64_t n, int64_t begin, int64_t end) {
+  const int64_t rows = std::max<int64_t>(kDpRows, kDpRowBytes / (2 * k) / kDpRows * kDpRows);
+  for (int64_t m0 = 0; m0 < m; m0 += rows) {
+    const int64_t mm = std::min(rows, m - m0);
+    const uint16_t* xm = x + m0 * k;
+    uint16_t* ym = y + m0 * n;
+    int64_t nb = begin;
+    for (; nb + kDpBlocks <= end; nb += kDpBlocks) dp_linear_rows<kDpBlocks>(xm, w, ym, mm, k, n, nb);
+    if (end - nb == 2) dp_linear_rows<2>(xm, w, ym, mm, k, n, nb);
+    if (end - nb == 1) dp_linear_rows<1>(xm, w, ym, mm, k, n, nb);
+  }
+}
+
+// y = x W^T for x `[M, K]` bfloat16 (any M) against W packed by pack_weight_pairs; returns
+// `[M, N]` bfloat16 (float32 accumulation, rounded once).
+Tensor dp_linear(const Tensor& x_in, const Tensor& packed) {
+  TORCH_CHECK(x_in.device().is_cpu(), "x must be on the CPU");
+  const Tensor x = x_in.contiguous();
+  check_cpu_contiguous(packed, "packed weight");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
+              "x and the weight must be bfloat16");
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 5 && packed.size(1) * 32 == x.size(1),
+              "x [M, K] against a weight packed by pack_weight_pairs for K = ", packed.size(1) * 32);
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * 16;
+  Tensor y = at::empty({m, n}, x.options());
+  const uint16_t* xq = ptr<uint16_t>(x);
+  const uint16_t* wq = ptr<uint16_t>(packed);
+  uint16_t* yq = ptr<uint16_t>(y);
+  const int64_t blocks = n / 16, threads = at::get_num_threads();
+  at::parallel_for(0, blocks, (blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    dp_linear_blocks(xq, wq, yq, m, k, n, begin, end);
   });
   return y;
 }
@@ -1328,8 +1424,11 @@ TORCH_LIBRARY(shoal, m) {
         "ScalarType out_dtype) -> Tensor");
   m.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
   m.def("rope_(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, int num_heads, int head_dim) -> ()");
+#ifdef SHOAL_BF16_PAIRS
+  m.def("pack_weight_pairs(Tensor weight) -> Tensor");
+  m.def("dp_linear(Tensor x, Tensor packed) -> Tensor");
+#endif
 #ifdef SHOAL_AMX
-  m.def("amx_pack_weight(Tensor weight) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed) -> Tensor");
 #endif
 }
@@ -1346,8 +1445,11 @@ TORCH_LIBRARY_IMPL(shoal, CPU, m) {
   m.impl("dequantize_rows", &dequantize_rows);
   m.impl("topk_rows", &topk_rows);
   m.impl("rope_", &rope_);
+#ifdef SHOAL_BF16_PAIRS
+  m.impl("pack_weight_pairs", &pack_weight_pairs);
+  m.impl("dp_linear", &dp_linear);
+#endif
 #ifdef SHOAL_AMX
-  m.impl("amx_pack_weight", &amx_pack_weight);
   m.impl("amx_linear", &amx_linear);
 #endif
 }
