@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 from shoal.messages import IterationPlan, NewRequest
 from shoal.sampling_params import SamplingParams
-from tests.conftest import make_engine
+from tests.conftest import make_engine, random_weights, tiny_config
+from worker.attention import build_metadata
+from worker.config import EngineConfig
+from worker.engine import Engine
 from worker.offline import generate
 
 
@@ -90,3 +95,26 @@ def test_decodes_are_not_stalled_by_a_long_prefill(fp32_model):
         ids = [o.request_id for o in res.outputs]
         assert "short" in ids
         assert res.num_decode_tokens == 1 and res.num_prefill_tokens == 23
+
+
+def test_the_last_layer_runs_only_the_rows_asked_for():
+    """`LlamaModel.forward(..., output_rows)` gives exactly those rows of the full forward (the
+    last layer's O and MLP run on them alone), writes the same K/V, and none when none is asked."""
+    cfg = tiny_config(num_layers=3)
+    engine = Engine(cfg, random_weights(cfg, seed=3), EngineConfig(dtype=torch.float32, block_size=4,
+                                                                   kv_cache_bytes=1 << 20))
+    g = torch.Generator().manual_seed(4)
+    lens = [11, 6]
+    tables = [list(range(0, 3)), list(range(3, 5))]
+    meta = build_metadata([], [], [(t, 0, n) for t, n in zip(tables, lens)], 4)
+    ids = torch.randint(2, cfg.vocab_size, (sum(lens),), generator=g)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    model, kv = engine.model, engine.kv_cache
+    full = model.forward(ids, positions, meta, kv).clone()
+    k_full = [k.clone() for k in kv.k]
+    rows = torch.tensor([10, 16, 3])
+    some = model.forward(ids, positions, meta, kv, rows)
+    assert some.shape == (3, cfg.hidden_size)
+    assert torch.allclose(some, full[rows], atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(k_full, kv.k))
+    assert model.forward(ids, positions, meta, kv, rows[:0]).shape == (0, cfg.hidden_size)

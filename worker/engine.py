@@ -320,15 +320,20 @@ class Engine:
             [(s.block_table, s.num_computed_tokens, c) for s, c in prefills],
             self.cfg.block_size, self.device,
         )
+        # Only the sampling rows' final hidden states are read (all of them in a decode-only
+        # iteration): the last layer's O and MLP skip the other rows.
+        out_rows = (None if len(sample_rows) == len(ids)
+                    else torch.tensor(sample_rows, dtype=torch.long, device=self.device))
         hidden = self.model.forward(torch.tensor(ids, device=self.device),
-                                    torch.tensor(positions, device=self.device), meta, self.kv_cache)
+                                    torch.tensor(positions, device=self.device), meta, self.kv_cache,
+                                    out_rows)
         for s in decodes:
             s.num_computed_tokens += 1
         for s, c in prefills:
             s.num_computed_tokens += c
         if not samplers:
             return []
-        logits, argmax = self.model.compute_logits(hidden[sample_rows])
+        logits, argmax = self.model.compute_logits(hidden)  # the sampling rows only
         # Sampling runs on the CPU: each request's seeded generator is a CPU generator, and the
         # rows that sample are few. (On the CPU these are no-ops.)
         logits, argmax = logits.cpu(), argmax.cpu()

@@ -152,9 +152,9 @@ class TensorParallelLeader:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
 
-    def forward(self, input_ids, positions, meta, kv_cache):
-        _broadcast(("forward", input_ids, positions, meta))
-        return self._model.forward(input_ids, positions, meta, kv_cache)
+    def forward(self, input_ids, positions, meta, kv_cache, output_rows=None):
+        _broadcast(("forward", input_ids, positions, meta, output_rows))
+        return self._model.forward(input_ids, positions, meta, kv_cache, output_rows)
 
     def shift_request_kv(self, kv_cache, block_table, keep, discard, length):
         _broadcast(("shift", block_table, keep, discard, length))
@@ -181,7 +181,7 @@ def follower_main(rank: int, world_size: int, init_method: str, path: str, cfg: 
         while True:
             call = _broadcast(None)
             if call[0] == "forward":
-                model.forward(call[1], call[2], call[3], kv_cache)
+                model.forward(call[1], call[2], call[3], kv_cache, call[4])
             elif call[0] == "shift":
                 model.shift_request_kv(kv_cache, *call[1:])
             elif call[0] == "stop":
