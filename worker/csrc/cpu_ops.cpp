@@ -1320,12 +1320,15 @@ Tensor pack_weight_pairs(const Tensor& w) {
 // A thread takes a contiguous run of 16-channel blocks, NR at a time (NR x K weights, 55 KB for
 // K = 576 and NR = 3: they stay in L1/L2 while every row of x passes), rows MR at a time in
 // MR x NR accumulators; so the weights stream from memory once per iteration, as in a GEMV, and
-// each weight vector loaded from cache serves MR rows.
+// each weight vector loaded from cache serves MR rows. While the first MR rows of a group run,
+// the next group's weights are prefetched into L2 (the blocks lie one after the other, but the
+// hardware prefetcher alone left 64-row iterations 10% slower: 24.5-27.6 against 22.6-23.1 ms
+// for SmolLM2's 121 projections, A/B interleaved).
 constexpr int64_t kDpRows = 8, kDpBlocks = 3;
 
 template <int64_t MR, int64_t NR>
 inline void dp_linear_tile(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t k,
-                           int64_t n, int64_t nb) {
+                           int64_t n, int64_t nb, const uint16_t* next) {
   __m512 acc[MR][NR];
   for (int64_t i = 0; i < MR; ++i)
     for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -1334,6 +1337,8 @@ inline void dp_linear_tile(const uint16_t* x, const uint16_t* w, uint16_t* y, in
     __m512bh wv[NR];
     for (int64_t j = 0; j < NR; ++j)
       wv[j] = (__m512bh)_mm512_loadu_si512(w + ((nb + j) * kp + p) * 32);
+    if (next != nullptr)
+      for (int64_t j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + (j * kp + p) * 32), _MM_HINT_T1);
     for (int64_t i = 0; i < MR; ++i) {
       const __m512bh xp = broadcast_pair(x + i * k + 2 * p);
       for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xp, wv[j]);
@@ -1347,19 +1352,20 @@ inline void dp_linear_tile(const uint16_t* x, const uint16_t* w, uint16_t* y, in
 
 template <int64_t NR>
 void dp_linear_rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m, int64_t k,
-                    int64_t n, int64_t nb) {
+                    int64_t n, int64_t nb, const uint16_t* next) {
   int64_t r = 0;
-  for (; r + kDpRows <= m; r += kDpRows) dp_linear_tile<kDpRows, NR>(x + r * k, w, y + r * n, k, n, nb);
+  for (; r + kDpRows <= m; r += kDpRows, next = nullptr)
+    dp_linear_tile<kDpRows, NR>(x + r * k, w, y + r * n, k, n, nb, next);
   const uint16_t* xr = x + r * k;
   uint16_t* yr = y + r * n;
   switch (m - r) {
-    case 7: dp_linear_tile<7, NR>(xr, w, yr, k, n, nb); break;
-    case 6: dp_linear_tile<6, NR>(xr, w, yr, k, n, nb); break;
-    case 5: dp_linear_tile<5, NR>(xr, w, yr, k, n, nb); break;
-    case 4: dp_linear_tile<4, NR>(xr, w, yr, k, n, nb); break;
-    case 3: dp_linear_tile<3, NR>(xr, w, yr, k, n, nb); break;
-    case 2: dp_linear_tile<2, NR>(xr, w, yr, k, n, nb); break;
-    case 1: dp_linear_tile<1, NR>(xr, w, yr, k, n, nb); break;
+    case 7: dp_linear_tile<7, NR>(xr, w, yr, k, n, nb, next); break;
+    case 6: dp_linear_tile<6, NR>(xr, w, yr, k, n, nb, next); break;
+    case 5: dp_linear_tile<5, NR>(xr, w, yr, k, n, nb, next); break;
+    case 4: dp_linear_tile<4, NR>(xr, w, yr, k, n, nb, next); break;
+    case 3: dp_linear_tile<3, NR>(xr, w, yr, k, n, nb, next); break;
+    case 2: dp_linear_tile<2, NR>(xr, w, yr, k, n, nb, next); break;
+    case 1: dp_linear_tile<1, NR>(xr, w, yr, k, n, nb, next); break;
     default: break;
   }
 }
@@ -1376,9 +1382,12 @@ void dp_linear_blocks(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t
     const uint16_t* xm = x + m0 * k;
     uint16_t* ym = y + m0 * n;
     int64_t nb = begin;
-    for (; nb + kDpBlocks <= end; nb += kDpBlocks) dp_linear_rows<kDpBlocks>(xm, w, ym, mm, k, n, nb);
-    if (end - nb == 2) dp_linear_rows<2>(xm, w, ym, mm, k, n, nb);
-    if (end - nb == 1) dp_linear_rows<1>(xm, w, ym, mm, k, n, nb);
+    for (; nb + kDpBlocks <= end; nb += kDpBlocks) {
+      const uint16_t* next = nb + kDpBlocks < end ? w + (nb + kDpBlocks) * k * 16 : nullptr;
+      dp_linear_rows<kDpBlocks>(xm, w, ym, mm, k, n, nb, next);
+    }
+    if (end - nb == 2) dp_linear_rows<2>(xm, w, ym, mm, k, n, nb, nullptr);
+    if (end - nb == 1) dp_linear_rows<1>(xm, w, ym, mm, k, n, nb, nullptr);
   }
 }
 
