@@ -206,8 +206,10 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
     table.add_row("prefill tokens/s", f"{prefill:.0f}")
     table.add_row("quantization", cfg.quantization)
     amx = engine.model.kernels and ops.amx_available()
-    table.add_row("C++ kernels", ("yes, with AMX tiles" if amx else "yes") if engine.model.kernels
-                  else "no (torch path)")
+    bf16_pairs = engine.model.kernels and ops.dp_linear_available()
+    kernels = ("yes, with AMX tiles" if amx else "yes, with AVX512_BF16" if bf16_pairs
+               else "yes") if engine.model.kernels else "no (torch path)"
+    table.add_row("C++ kernels", kernels)
     table.add_row("attention backend", engine.model.attention.name)
     table.add_row("model load, kernel build included (s)", f"{load_s:.1f}")
     table.add_row("K/V blocks", f"{engine.num_total_blocks} x {cfg.block_size} tokens")
@@ -220,7 +222,7 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
         "shoal": ours, "transformers_static_batch8": base,
         "decode_tokens_per_s": decode, "single_stream_decode_tokens_per_s": single,
         "quantization": cfg.quantization, "perplexity": quality,
-        "cpu_kernels": engine.model.kernels, "amx": amx,
+        "cpu_kernels": engine.model.kernels, "amx": amx, "avx512_bf16": bf16_pairs,
         "attention_backend": engine.model.attention.name,
         "prefill_tokens_per_s": prefill,
         "model_load_seconds": load_s, "peak_rss_bytes": peak_rss,
