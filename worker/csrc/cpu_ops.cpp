@@ -1172,6 +1172,49 @@ std::tuple<Tensor, Tensor> topk_rows(const Tensor& x, int64_t k) {
   return {values, indices};
 }
 
+#ifdef SHOAL_BF16_PAIRS
+// ---------------------------------------------------------------------------------------------
+// bfloat16 projections `y = x W^T` against weights packed in pairs of input channels, the layout
+// both AMX tiles (amx_linear) and AVX512_BF16 dot products (dp_linear), below, consume:
+// `[N / 16][K / 32][16 pairs of K][16 columns][2]` (N and K multiples of 32), that is, for each
+// block of 16 output channels its K / 2 pairs in order, each pair of the 16 channels one 64-byte
+// vector (the B operand of tdpbf16ps and of vdpbf16ps).
+// ---------------------------------------------------------------------------------------------
+Tensor pack_weight_pairs(const Tensor& w) {
+  check_cpu_contiguous(w, "weight");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "weight [N, K] bfloat16");
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(n % 32 == 0 && k % 32 == 0, "packed weights need N and K multiples of 32, got ",
+              n, " x ", k);
+  Tensor out = at::empty({n / 16, k / 32, 16, 16, 2}, w.options());
+  const uint16_t* src = ptr<uint16_t>(w);
+  uint16_t* dst = ptr<uint16_t>(out);
+  at::parallel_for(0, n / 16, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb)
+      for (int64_t kb = 0; kb < k / 32; ++kb) {
+        uint16_t* tile = dst + (nb * (k / 32) + kb) * 512;
+        for (int64_t r = 0; r < 16; ++r)
+          for (int64_t c = 0; c < 16; ++c)
+            for (int64_t e = 0; e < 2; ++e)
+              tile[(r * 16 + c) * 2 + e] = src[(nb * 16 + c) * k + kb * 32 + 2 * r + e];
+      }
+  });
+  return out;
+}
+
+// x `[M, K]` bfloat16, contiguous, checked against a weight packed by pack_weight_pairs; N.
+std::tuple<Tensor, int64_t> pair_linear_input(const Tensor& x_in, const Tensor& packed) {
+  TORCH_CHECK(x_in.device().is_cpu(), "x must be on the CPU");
+  Tensor x = x_in.contiguous();
+  check_cpu_contiguous(packed, "packed weight");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
+              "x and the weight must be bfloat16");
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 5 && packed.size(1) * 32 == x.size(1),
+              "x [M, K] against a weight packed by pack_weight_pairs for K = ", packed.size(1) * 32);
+  return {x, packed.size(0) * 16};
+}
+#endif
+
 #ifdef SHOAL_AMX
 // ---------------------------------------------------------------------------------------------
 // bfloat16 projections on AMX tiles, `y = x W^T`, for iterations of up to about a thousand rows
@@ -1180,7 +1223,7 @@ std::tuple<Tensor, Tensor> topk_rows(const Tensor& x, int64_t k) {
 // take 40% longer at 64 rows. Here the weights lie in the order the tiles consume them, each
 // thread streams its own contiguous share once, and every 1 KB weight tile serves up to 32 rows
 // straight from memory (then the rest of the rows from cache), so a step stays near the memory's
-// pace up to 64 rows. Weights packed by pack_weight_pairs (below).
+// pace up to 64 rows. Weights packed by pack_weight_pairs (above).
 // ---------------------------------------------------------------------------------------------
 
 // A stored accumulator tile c (16 x 16 float32) into rows [16 i, 16 i + 16) (up to row m) and
@@ -1254,14 +1297,8 @@ void amx_linear_blocks(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 // y = x W^T for x `[M, K]` bfloat16 (any M >= 1) against W packed by pack_weight_pairs; returns
 // `[M, N]` bfloat16 (float32 accumulation).
 Tensor amx_linear(const Tensor& x_in, const Tensor& packed) {
-  TORCH_CHECK(x_in.device().is_cpu(), "x must be on the CPU");
-  const Tensor x = x_in.contiguous();
-  check_cpu_contiguous(packed, "packed weight");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
-              "x and the weight must be bfloat16");
-  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * 16;
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 5 && packed.size(1) * 32 == k,
-              "x [M, K] against a weight packed by pack_weight_pairs for K = ", packed.size(1) * 32);
+  const auto [x, n] = pair_linear_input(x_in, packed);
+  const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(m >= 1, "amx_linear needs at least one row");
   TORCH_CHECK(amx_permitted(), "AMX is not available to this process");
   const int mb = static_cast<int>((m + 15) / 16);
@@ -1285,34 +1322,6 @@ Tensor amx_linear(const Tensor& x_in, const Tensor& packed) {
 #endif
 
 #ifdef SHOAL_BF16_PAIRS
-// ---------------------------------------------------------------------------------------------
-// bfloat16 projections `y = x W^T` against weights packed in pairs of input channels, the layout
-// both AMX tiles (amx_linear, above) and AVX512_BF16 dot products (dp_linear, below) consume:
-// `[N / 16][K / 32][16 pairs of K][16 columns][2]` (N and K multiples of 32), that is, for each
-// block of 16 output channels its K / 2 pairs in order, each pair of the 16 channels one 64-byte
-// vector (the B operand of tdpbf16ps and of vdpbf16ps).
-// ---------------------------------------------------------------------------------------------
-Tensor pack_weight_pairs(const Tensor& w) {
-  check_cpu_contiguous(w, "weight");
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "weight [N, K] bfloat16");
-  const int64_t n = w.size(0), k = w.size(1);
-  TORCH_CHECK(n % 32 == 0 && k % 32 == 0, "packed weights need N and K multiples of 32, got ",
-              n, " x ", k);
-  Tensor out = at::empty({n / 16, k / 32, 16, 16, 2}, w.options());
-  const uint16_t* src = ptr<uint16_t>(w);
-  uint16_t* dst = ptr<uint16_t>(out);
-  at::parallel_for(0, n / 16, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t nb = begin; nb < end; ++nb)
-      for (int64_t kb = 0; kb < k / 32; ++kb) {
-        uint16_t* tile = dst + (nb * (k / 32) + kb) * 512;
-        for (int64_t r = 0; r < 16; ++r)
-          for (int64_t c = 0; c < 16; ++c)
-            for (int64_t e = 0; e < 2; ++e)
-              tile[(r * 16 + c) * 2 + e] = src[(nb * 16 + c) * k + kb * 32 + 2 * r + e];
-      }
-  });
-  return out;
-}
 
 // y = x W^T with AVX512_BF16 dot products, for CPUs without AMX, against W packed by
 // pack_weight_pairs: `[N / 16][K / 2][16][2]`, so one 64-byte vector holds a pair of input
@@ -1394,14 +1403,8 @@ void dp_linear_blocks(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t
 // y = x W^T for x `[M, K]` bfloat16 (any M) against W packed by pack_weight_pairs; returns
 // `[M, N]` bfloat16 (float32 accumulation, rounded once).
 Tensor dp_linear(const Tensor& x_in, const Tensor& packed) {
-  TORCH_CHECK(x_in.device().is_cpu(), "x must be on the CPU");
-  const Tensor x = x_in.contiguous();
-  check_cpu_contiguous(packed, "packed weight");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
-              "x and the weight must be bfloat16");
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 5 && packed.size(1) * 32 == x.size(1),
-              "x [M, K] against a weight packed by pack_weight_pairs for K = ", packed.size(1) * 32);
-  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * 16;
+  const auto [x, n] = pair_linear_input(x_in, packed);
+  const int64_t m = x.size(0), k = x.size(1);
   Tensor y = at::empty({m, n}, x.options());
   const uint16_t* xq = ptr<uint16_t>(x);
   const uint16_t* wq = ptr<uint16_t>(packed);
