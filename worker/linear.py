@@ -45,7 +45,7 @@ for the number of rows an iteration brings.
   Iterations of at most 2 rows use int8 weight-only, as `int8` does.
 - **AMX tiles for bfloat16 iterations of up to 1,024 rows** (`shoal::amx_linear`, where the CPU has
   AMX): such an iteration is bound by reading the weights, which a second copy holds in the order
-  the tiles consume them (`shoal::amx_pack_weight`); each thread streams its share once, and every
+  the tiles consume them (`shoal::pack_weight_pairs`); each thread streams its share once, and every
   weight tile serves all the iteration's rows; rows go 256 at a time, which stay in L2. All 120
   SmolLM2 projections on a 2-core Xeon with AMX, ms per iteration:
 
