@@ -75,6 +75,10 @@ class SchedulerServer:
         self._last_refresh = 0.0
         self._published_waiting = -1
         self._reply_to: dict[str, str] = {}  # request id -> its gateway channel, while in the pool
+        # Writes whose replies nobody waits for (token events, progress, acknowledgements): they
+        # go out with the next tick's reads, in one round trip. Every command wakes Redis, which
+        # on a small machine takes a core from the worker mid-iteration.
+        self._outbox = self.redis.pipeline(transaction=False)
 
     def stop(self, *_: object) -> None:
         self._stop = True
@@ -106,6 +110,7 @@ class SchedulerServer:
                 backoff = min(backoff * 2, 2.0)
         if self._active:  # hand over at once rather than after the lease expires
             with contextlib.suppress(redis.RedisError):
+                self._outbox.execute()
                 self.redis.delete(self.keys.lease)
         return 0
 
@@ -118,6 +123,7 @@ class SchedulerServer:
         self.entry_ids.clear()
         self._reply_to.clear()
         self._published_waiting = -1
+        self._outbox.reset()  # a successor republishes from the progress lists
 
     def _hold_lease(self) -> bool:
         """Acquire the lease, or renew it about three times per TTL. True while we hold it."""
@@ -165,8 +171,7 @@ class SchedulerServer:
 
     def tick(self) -> None:
         busy = any(w.plans_in_flight for w in self.core.workers.values())
-        self._read_requests(block_ms=None if busy else 20)
-        self._read_cancels()
+        self._exchange(busy)
         if time.monotonic() - self._last_refresh > REGISTRY_REFRESH_S:
             self._refresh_workers()
         now = time.time()
@@ -185,20 +190,34 @@ class SchedulerServer:
         metrics.REQUESTS_WAITING.set(len(self.core.waiting))
         if len(self.core.waiting) != self._published_waiting:
             self._published_waiting = len(self.core.waiting)
-            self.redis.set(self.keys.waiting, self._published_waiting)
-        if busy:
+            self._outbox.set(self.keys.waiting, self._published_waiting)
+        if busy:  # one result a tick: a second one queued behind it returns at once next tick
             item = self.redis.blpop([self.keys.results], timeout=0.02)
-            while item is not None:
+            if item is not None:
                 self._on_result(decode(item[1]))
-                raw = self.redis.lpop(self.keys.results)
-                item = (None, raw) if raw is not None else None
 
-    def _read_requests(self, block_ms: int | None) -> None:
-        resp = self.redis.xreadgroup(self.keys.scheduler_group, self.consumer,
-                                     {self.keys.requests: ">"}, count=256, block=block_ms)
-        for _stream, entries in resp or []:
+    def _exchange(self, busy: bool) -> None:
+        """Send the outbox and read new requests and cancels. While a worker is busy, all in one
+        round trip; while none is, the read of requests blocks up to 20 ms (after the outbox has
+        gone)."""
+        pipe = self._outbox
+        if not busy:
+            pipe.execute()
+            pipe = self.redis.pipeline(transaction=False)
+        pipe.xreadgroup(self.keys.scheduler_group, self.consumer, {self.keys.requests: ">"},
+                        count=256, block=None if busy else 20)
+        pipe.lpop(self.keys.cancels, 256)
+        *_, requests, cancels = pipe.execute()
+        for _stream, entries in requests or []:
             for entry_id, fields in entries:
                 self._add_submission(entry_id, fields)
+        for raw in cancels or []:
+            msg = decode(raw)
+            assert isinstance(msg, Cancel)
+            event = self.core.cancel(msg.request_id)
+            if event is not None:
+                metrics.REQUESTS_FINISHED.labels("cancelled").inc()
+                self._publish([event])
 
     def _add_submission(self, entry_id: bytes, fields: dict, restore: bool = False) -> None:
         sub = decode(fields[b"m"])
@@ -215,16 +234,6 @@ class SchedulerServer:
                 self._publish([TokenEvent(sub.request_id, len(saved), [], finish_reason="length",
                                           prompt_tokens=len(sub.prompt_token_ids),
                                           completion_tokens=len(state.output_token_ids))])
-
-    def _read_cancels(self) -> None:
-        raws = self.redis.lpop(self.keys.cancels, 256)
-        for raw in raws or []:
-            msg = decode(raw)
-            assert isinstance(msg, Cancel)
-            event = self.core.cancel(msg.request_id)
-            if event is not None:
-                metrics.REQUESTS_FINISHED.labels("cancelled").inc()
-                self._publish([event])
 
     def _refresh_workers(self) -> None:
         self._last_refresh = time.monotonic()
@@ -324,10 +333,11 @@ class SchedulerServer:
 
     def _publish(self, events: list[TokenEvent]) -> None:
         """Send events to their gateways, one `TokenEvents` message per gateway; save the tokens
-        for a scheduler that takes over; acknowledge the stream entry of each finished request."""
+        for a scheduler that takes over; acknowledge the stream entry of each finished request.
+        All of it goes out with the next tick's reads (`_exchange`)."""
         if not events:
             return
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self._outbox
         by_channel: dict[str, list[TokenEvent]] = {}
         for event in events:
             final = event.finish_reason is not None
@@ -347,4 +357,3 @@ class SchedulerServer:
                     pipe.xack(self.keys.requests, self.keys.scheduler_group, entry)
         for channel, batch in by_channel.items():
             pipe.publish(channel, encode(TokenEvents(batch)))
-        pipe.execute()
