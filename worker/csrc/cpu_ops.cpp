@@ -445,6 +445,8 @@ inline float softmax_bf16(const float* s, uint16_t* p, int64_t n, int64_t upto, 
   return n ? 1.f / _mm512_reduce_add_ps(sum) : 0.f;
 }
 
+// The bfloat16 pair (p[0], p[1]) in all 16 lanes: vdpbf16ps's operand against 16 pairs of the
+// other side.
 inline __m512bh broadcast_pair(const uint16_t* p) {
   return (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(p[0] | (uint32_t(p[1]) << 16)));
 }
