@@ -10,6 +10,7 @@ from worker.attention import TorchAttention, build_metadata, decode_attention_re
 from worker.linear import (
     AMX_MAX_ROWS,
     DP_MAX_ROWS,
+    LM_HEAD_DP_MAX_ROWS,
     QUANTIZED_MAX_ROWS,
     W8A8_MIN_ROWS,
     Linear,
@@ -213,12 +214,14 @@ def test_bfloat16_pair_kernels_serve_their_iterations(out_features, in_features)
         assert rel(y, exact) <= 5e-3
         dp = torch.ops.shoal.dp_linear(x, packed)
         assert rel(dp, exact) <= 5e-3, rows
-        if rows <= lin.pairs_max_rows:
-            pair_kernel = torch.ops.shoal.amx_linear if lin.amx else torch.ops.shoal.dp_linear
-            assert torch.equal(y, pair_kernel(x, packed)), rows
-        else:  # larger iterations: oneDNN's prepacked copy
-            assert torch.equal(y, torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none",
-                                                                     [None], "")), rows
+        if lin.amx and rows <= lin.pairs_max_rows:
+            assert torch.equal(y, torch.ops.shoal.amx_linear(x, packed))
+    # Which path serves which size: with the packed pairs zeroed, exactly the iterations the
+    # pair kernels serve come out zero (dp_linear and oneDNN can agree to the bit here).
+    lin.pairs = torch.zeros_like(lin.pairs)
+    for rows in (1, lin.pairs_max_rows, lin.pairs_max_rows + 1):
+        x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+        assert (lin(x) == 0).all() == (rows <= lin.pairs_max_rows), rows
     with pytest.raises(RuntimeError, match="multiples of 32"):
         torch.ops.shoal.pack_weight_pairs(w[:, :40].contiguous())
     with pytest.raises(RuntimeError, match="packed by pack_weight_pairs"):
@@ -333,3 +336,18 @@ def test_int8_gemv_is_int8_activations_times_int8_weights(dtype, rows):
     xq, xs = ops.quantize_rows(x.float(), kernels=False)
     ref = torch.nn.functional.linear(xq.float() * xs[:, None], q * scale[:, None])
     assert (rel(lin(x.float()), ref) <= 1e-5) == (rows <= lin.max_quantized_rows)
+
+
+@pytest.mark.skipif(not ops.dp_linear_available() or ops.amx_available(),
+                    reason="needs AVX512_BF16 without AMX")
+def test_the_lm_head_leaves_dp_linear_earlier():
+    """The LM head's dp_linear cap (LM_HEAD_DP_MAX_ROWS) is its own: larger iterations take
+    oneDNN's prepacked copy, while projections keep dp_linear up to DP_MAX_ROWS."""
+    g = torch.Generator().manual_seed(40)
+    w = (torch.randn(128, 64, generator=g) * 0.1).to(torch.bfloat16)
+    head = Linear(w, kernels=True, dp_max_rows=LM_HEAD_DP_MAX_ROWS)
+    assert head.pairs_max_rows == LM_HEAD_DP_MAX_ROWS < DP_MAX_ROWS
+    head.pairs = torch.zeros_like(head.pairs)  # dp_linear's iterations now come out zero
+    x = torch.randn(LM_HEAD_DP_MAX_ROWS + 1, 64, generator=g).to(torch.bfloat16)
+    assert (head(x[:-1]) == 0).all()
+    assert rel(head(x), torch.nn.functional.linear(x.float(), w.float())) <= 5e-3

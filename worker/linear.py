@@ -90,6 +90,10 @@ VNNI_INT8_MAX_ROWS = 4  # int8 weights through shoal::int8_gemv beat bfloat16 up
 W8A8_MIN_ROWS = 16  # int8 x int8 matmuls beat bfloat16 from here (measured: 17 yes, 8 no)
 AMX_MAX_ROWS = 1024  # shoal::amx_linear beats oneDNN up to here (table above; 2,048 rows: not)
 DP_MAX_ROWS = 256  # shoal::dp_linear beats oneDNN in the engine up to here (see above)
+# SmolLM2's LM head ([49152, 576]) through dp_linear against oneDNN, ms (2-core Zen 5, A/B
+# interleaved): 8 rows 0.92 / 1.26, 64 rows 4.67 / 4.85, 128 rows 10.25 / 9.30, 256 rows 19.6 /
+# 17.0. Its 6 MB-plus outputs leave cache between the row passes, so it stops earlier.
+LM_HEAD_DP_MAX_ROWS = 64
 INT4_GROUP_SIZE = 32  # GGUF's Q4_0 / Q4_1 block
 
 
@@ -160,8 +164,10 @@ class Linear:
             (int8 activations; where the kernels were built with VNNI) instead of weight-only.
         kernels: the C++ kernels quantize and dequantize activations (`worker.ops`), and serve
             bfloat16 iterations of up to AMX_MAX_ROWS rows on AMX tiles where the CPU has them,
-            else of up to DP_MAX_ROWS rows with AVX512_BF16 (out_features and in_features
+            else of up to `dp_max_rows` rows with AVX512_BF16 (out_features and in_features
             multiples of 32; a second, packed copy of the weight).
+        dp_max_rows: the most rows `shoal::dp_linear` serves (DP_MAX_ROWS; the LM head takes
+            LM_HEAD_DP_MAX_ROWS).
 
     Raises:
         ValueError: an unknown quantization, or int4 on a shape it cannot take.
@@ -171,7 +177,7 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, quantization: str = "none", pack: bool = True,
                  quantize_activations: bool = False, int8_gemv: bool = False,
-                 kernels: bool = False) -> None:
+                 kernels: bool = False, dp_max_rows: int = DP_MAX_ROWS) -> None:
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         self.out_features, self.in_features = weight.shape
@@ -203,7 +209,7 @@ class Linear:
             if ops.amx_available():
                 self.amx, self.pairs_max_rows = True, AMX_MAX_ROWS
             elif ops.dp_linear_available():
-                self.pairs_max_rows = DP_MAX_ROWS
+                self.pairs_max_rows = dp_max_rows
             if self.pairs_max_rows:
                 self.pairs = torch.ops.shoal.pack_weight_pairs(weight)
         # `[in, out]` int8 (a transposed view: what torch._int_mm takes) and `[out]` float32

@@ -29,7 +29,7 @@ from worker import ops
 from worker.attention import AttentionMetadata, make_backend
 from worker.config import ModelConfig
 from worker.kv_cache import KVCache
-from worker.linear import Linear
+from worker.linear import LM_HEAD_DP_MAX_ROWS, Linear
 from worker.loader import Weights
 
 
@@ -89,7 +89,8 @@ class LlamaModel:
         # LM head cost 1% of perplexity (docs/engine.md). Its int8 activations in small iterations
         # (shoal::int8_gemv) cost no greedy token: the refinement below recomputes the best ones.
         self.lm_head_proj = Linear(self.lm_head, "none" if quantization == "none" else "int8",
-                                   pack=fast_paths, int8_gemv=True, kernels=self.kernels)
+                                   pack=fast_paths, int8_gemv=True, kernels=self.kernels,
+                                   dp_max_rows=LM_HEAD_DP_MAX_ROWS)
 
         def linear(*names: str, quantize_activations: bool = False) -> Linear:
             return Linear(torch.cat([weights[n] for n in names]), quantization, pack=fast_paths,
