@@ -71,8 +71,8 @@ for the number of rows an iteration brings.
   multiply-add peak of these cores. In whole engine iterations (A/B in one process, two runs),
   decode steps at 1, 8, 32 and 64 rows took 8.5-10.1 / 11.8-12.2 / 23.5-24.0 / 38.9-39.8 ms
   against 12.1-13.4 / 13.6-14.4 / 25.3-26.7 / 41.6-43.0; but prefill iterations of 512-2,048
-  rows were up to 9% slower than with oneDNN (its blocking keeps large operands in cache), so
-  oneDNN keeps iterations of more than 256 rows.
+  rows were up to 9% slower than with oneDNN (why was not investigated), so oneDNN keeps
+  iterations of more than 256 rows.
 - Plain `F.linear` otherwise (float16, another device, or no oneDNN).
 """
 
@@ -92,7 +92,7 @@ AMX_MAX_ROWS = 1024  # shoal::amx_linear beats oneDNN up to here (table above; 2
 DP_MAX_ROWS = 256  # shoal::dp_linear beats oneDNN in the engine up to here (see above)
 # SmolLM2's LM head ([49152, 576]) through dp_linear against oneDNN, ms (2-core Zen 5, A/B
 # interleaved): 8 rows 0.92 / 1.26, 64 rows 4.67 / 4.85, 128 rows 10.25 / 9.30, 256 rows 19.6 /
-# 17.0. Its 6 MB-plus outputs leave cache between the row passes, so it stops earlier.
+# 17.0 (why was not investigated), so it stops earlier.
 LM_HEAD_DP_MAX_ROWS = 64
 INT4_GROUP_SIZE = 32  # GGUF's Q4_0 / Q4_1 block
 

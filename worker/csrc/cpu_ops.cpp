@@ -378,7 +378,7 @@ constexpr int64_t kVnniRows = 16, kVnniD = 64, kVnniBS = 16;
 struct VnniScratch {
   std::vector<uint16_t> k, v, p, q;  // keys [D/2][Tk][2], values [Tv/2][D][2], P [queries][Tv], Q
   std::vector<float> s;              // scores [queries][Tv]
-  alignas(64) float o[kVnniRows * kVnniD];
+  alignas(64) float o[kVnniRows * kVnniD];  // attend_amx's output tiles, stored
 };
 
 // One request's keys and values of one head, `len` tokens, into the VNNI layouts, zero past
