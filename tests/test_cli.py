@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from shoal.fleet import shoal_command
 
 
@@ -58,6 +60,9 @@ def test_bench_engine_quick_writes_its_json(tmp_path):
     import json
 
     figures = json.loads(out.read_text())
+    from worker.config import resolve_dtype
+
+    assert figures["dtype"] == str(resolve_dtype("auto")).removeprefix("torch.")
     assert figures["shoal"]["generated_tokens"] > 0
     assert figures["transformers_static_batch8"]["generated_tokens"] == figures["shoal"]["generated_tokens"]
     assert set(figures["decode_tokens_per_s"]) == {"1", "8"}
@@ -91,3 +96,24 @@ def test_bench_scheduler_writes_its_figures(tmp_path):
     bad = subprocess.run([*shoal_command(), "bench", "scheduler", "--workers", "x"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--workers" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_dtype_auto_follows_the_cpus_bfloat16_instructions(monkeypatch):
+    import torch
+
+    from shoal.cli import build_parser
+    from worker import cpu_ops
+    from worker.config import resolve_dtype
+
+    assert build_parser().parse_args(["generate", "hi"]).dtype == "auto"
+    for flags, expected in [("flags\t: fpu avx512f avx512_vnni", torch.float32),
+                            ("flags\t: fpu avx512f avx512_bf16", torch.bfloat16),
+                            ("flags\t: fpu amx_tile amx_bf16 avx512f", torch.bfloat16),
+                            ("Features\t: fp asimd bf16", torch.bfloat16),
+                            (None, torch.bfloat16)]:
+        monkeypatch.setattr(cpu_ops, "cpu_flags", lambda flags=flags: flags)
+        assert resolve_dtype("auto", "cpu") == expected, flags
+        assert resolve_dtype("float32", "cpu") == torch.float32
+    assert resolve_dtype("auto", "cuda") == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be"):
+        resolve_dtype("float8", "cpu")

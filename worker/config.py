@@ -56,7 +56,8 @@ class EngineConfig:
     """Knobs of one worker's engine.
 
     Attributes:
-        dtype: dtype of weights, activations and the K/V cache (serving default bfloat16).
+        dtype: dtype of weights, activations and the K/V cache (the CLI's default, `--dtype auto`,
+            chooses per machine: `resolve_dtype`).
         block_size: tokens per K/V-cache block.
         kv_cache_bytes: memory for the K/V cache in bytes; None uses `kv_cache_memory_fraction`.
         kv_cache_memory_fraction: share of the machine's available memory for the K/V cache when
@@ -128,3 +129,26 @@ def default_device() -> str:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", "bfloat16", "float32")  # what --dtype takes
+
+
+def resolve_dtype(name: str, device: str | None = None) -> torch.dtype:
+    """The serving dtype `--dtype name` means on `device` (None: `default_device()`).
+
+    "auto" is bfloat16 on CUDA and on CPUs with bfloat16 instructions (AMX, AVX512_BF16, Arm
+    BF16), float32 on other CPUs: there a bfloat16 matmul is emulated through float32 and W64
+    ran at 44.6 tokens/s against float32's 155.2 (2-core Xeon without exposed AMX or
+    AVX512_BF16, docs/benchmarks.md). A CPU whose flags cannot be read gets bfloat16.
+
+    Raises:
+        ValueError: a name other than "auto" or a key of DTYPES.
+    """
+    if name == "auto":
+        if (device or default_device()).startswith("cuda"):
+            return torch.bfloat16
+        from worker.cpu_ops import cpu_computes_bfloat16
+
+        return torch.float32 if cpu_computes_bfloat16() is False else torch.bfloat16
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]

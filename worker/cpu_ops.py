@@ -28,13 +28,31 @@ _lock = threading.Lock()
 _state: dict[str, bool] = {}
 
 
+def cpu_flags() -> str | None:
+    """The first CPU's feature flags as Linux lists them (`flags` on x86, `Features` on Arm),
+    or None where there is no `/proc/cpuinfo`."""
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith(("flags", "Features")))
+    except (OSError, StopIteration):
+        return None
+
+
+def cpu_computes_bfloat16() -> bool | None:
+    """Whether this CPU has bfloat16 arithmetic instructions: AMX or AVX512_BF16 on x86, BF16 on
+    Arm. Without them oneDNN converts to float32 around every multiply-add, and a bfloat16
+    matmul runs several times slower than a float32 one (docs/benchmarks.md, session 7). None
+    where the flags cannot be read."""
+    flags = cpu_flags()
+    if flags is None:
+        return None
+    words = set(flags.split(":", 1)[-1].split())
+    return bool(words & {"amx_bf16", "avx512_bf16", "bf16"})
+
+
 def _cpu_tag() -> str:
     """A short hash of what the compiler's `-march=native` depends on."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith(("flags", "Features")))
-    except (OSError, StopIteration):
-        flags = platform.processor()
+    flags = cpu_flags() or platform.processor()
     return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
 
 
