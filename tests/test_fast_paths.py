@@ -9,7 +9,7 @@ import torch
 from shoal.messages import NewRequest
 from shoal.sampling_params import SamplingParams
 from tests.conftest import make_engine
-from worker import cpu_ops
+from worker import cpu_ops, ops
 from worker.loader import load_model
 from worker.offline import generate
 from worker.perplexity import (
@@ -110,3 +110,24 @@ def test_quantization_is_deterministic_and_within_its_perplexity_bound(bf16_mode
     for reference, ppl in zip(bf16_perplexities, quantized):
         assert 1.0 < reference < 100.0  # a real model on real text, not noise
         assert ppl <= reference * PERPLEXITY_BOUND[quantization]
+
+
+@pytest.mark.skipif(not ops.lanes_linear_available(), reason="the kernels were built without AVX-512")
+@pytest.mark.skipif(not REFERENCE_TEXT.exists(), reason=f"{REFERENCE_TEXT} is not on this machine")
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_float32_quantization_is_deterministic_and_within_its_perplexity_bound(fp32_model,
+                                                                               tokenizer,
+                                                                               quantization):
+    """Where the engine serves float32 (`--dtype auto` on CPUs without bfloat16 instructions),
+    few-row iterations take the lanes kernels: one token per iteration is their path."""
+    once = _run(fp32_model, tokenizer, quantization=quantization)
+    assert once == _run(fp32_model, tokenizer, quantization=quantization)
+    engine = make_engine(fp32_model, quantization=quantization)
+    assert all(layer.gate_up.lanes is not None for layer in engine.model.layers)
+    ids = tokenizer.encode(reference_text(), add_special_tokens=False)[:320]
+    reference = decode_perplexity(make_engine(fp32_model), ids)
+    quantized = decode_perplexity(engine, ids)
+    print(f"perplexity on {REFERENCE_TEXT}, one token per iteration: float32 {reference:.3f}, "
+          f"{quantization} {quantized:.3f}")
+    assert 1.0 < reference < 100.0
+    assert quantized <= reference * PERPLEXITY_BOUND[quantization]

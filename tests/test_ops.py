@@ -10,10 +10,14 @@ from worker.attention import TorchAttention, build_metadata, decode_attention_re
 from worker.linear import (
     AMX_MAX_ROWS,
     DP_MAX_ROWS,
+    LANES_MAX_ROWS,
     LM_HEAD_DP_MAX_ROWS,
     QUANTIZED_MAX_ROWS,
     W8A8_MIN_ROWS,
     Linear,
+    int4_levels,
+    pack_int4_lanes,
+    pack_int8_lanes,
     quantize_int4,
     quantize_int8,
 )
@@ -351,3 +355,58 @@ def test_the_lm_head_leaves_dp_linear_earlier():
     x = torch.randn(LM_HEAD_DP_MAX_ROWS + 1, 64, generator=g).to(torch.bfloat16)
     assert (head(x[:-1]) == 0).all()
     assert rel(head(x), torch.nn.functional.linear(x.float(), w.float())) <= 5e-3
+
+
+def _dequantized_int4(w: torch.Tensor) -> torch.Tensor:
+    """What int4_linear multiplies by: the levels times float16-rounded scales, plus minimums."""
+    q, scale, lo = int4_levels(w, 32)
+    blocks = q.float().reshape(w.shape[0], -1, 32)
+    scale, lo = scale.half().float()[..., None], lo.half().float()[..., None]
+    return (blocks * scale + lo).reshape(w.shape)
+
+
+@pytest.mark.skipif(not ops.lanes_linear_available(), reason="the kernels were built without AVX-512")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 11])
+def test_lanes_kernels_equal_the_dequantized_weights_matmul(dtype, rows):
+    """int8_linear and int4_linear against float32 matmuls with the dequantized weights, on row
+    counts that leave partial tiles of 4 rows; out_features 96 leaves an odd number of 16-lane
+    groups per thread."""
+    g = torch.Generator().manual_seed(40 + rows)
+    w = torch.randn(96, 160, generator=g) * 0.1
+    x = (torch.randn(rows, 160, generator=g) * 2).to(dtype)
+    q, scale = quantize_int8(w)
+    y8 = torch.ops.shoal.int8_linear(x, pack_int8_lanes(q), scale)
+    ref8 = torch.nn.functional.linear(x.float(), q.float() * scale[:, None])
+    y4 = torch.ops.shoal.int4_linear(x, *pack_int4_lanes(w))
+    ref4 = torch.nn.functional.linear(x.float(), _dequantized_int4(w))
+    for y, ref in ((y8, ref8), (y4, ref4)):
+        assert y.dtype == dtype and y.shape == (rows, 96)
+        assert rel(y, ref) <= TOL[dtype]
+    assert rel(ref4, torch.nn.functional.linear(x.float(), w)) > 1e-2  # 4 bits are not exact
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.shoal.int8_linear(x[:, :100].contiguous(), pack_int8_lanes(q), scale)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        pack_int4_lanes(w[:80])
+
+
+@pytest.mark.skipif(not ops.lanes_linear_available(), reason="the kernels were built without AVX-512")
+@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8"])
+def test_float32_quantized_linear_takes_the_lanes_kernels_for_few_rows(quantization):
+    """float32 weights under --quantization: up to LANES_MAX_ROWS rows through the lanes
+    kernels (equal to the dequantized weights' product), more through the float32 weight."""
+    g = torch.Generator().manual_seed(44)
+    w = torch.randn(128, 96, generator=g) * 0.1
+    lin = Linear(w, quantization, kernels=True)
+    assert lin.lanes is not None and lin.lanes_max_rows == LANES_MAX_ROWS[quantization]
+    if quantization == "int4":
+        dequantized = _dequantized_int4(w)
+    else:
+        q, scale = quantize_int8(w)
+        dequantized = q.float() * scale[:, None]
+    for rows in (1, LANES_MAX_ROWS[quantization], LANES_MAX_ROWS[quantization] + 1):
+        x = torch.randn(rows, 96, generator=g)
+        on_lanes = rel(lin(x), torch.nn.functional.linear(x, dequantized)) <= 1e-5
+        exact = rel(lin(x), torch.nn.functional.linear(x, w)) <= 1e-5
+        assert (on_lanes, exact) == ((True, False) if rows <= lin.lanes_max_rows else (False, True))
+    assert Linear(w.to(torch.bfloat16), quantization, kernels=True).lanes is None

@@ -73,6 +73,21 @@ for the number of rows an iteration brings.
   against 12.1-13.4 / 13.6-14.4 / 25.3-26.7 / 41.6-43.0; but prefill iterations of 512-2,048
   rows were up to 9% slower than with oneDNN (why was not investigated), so oneDNN keeps
   iterations of more than 256 rows.
+- **Lanes kernels for float32 iterations of a few rows under `--quantization`**
+  (`shoal::int8_linear`, `shoal::int4_linear`, any AVX-512 CPU): where the engine serves float32
+  (`--dtype auto` on CPUs without bfloat16 instructions), torch's weight-only kernels were slower
+  than the unquantized matmul: single-stream decode steps of 50 ms (int8) and 126 ms (int4)
+  against 27 ms on a 2-core Xeon. These kernels keep the activations in float32 and widen 16
+  output channels' weights per vector (int4: a nibble becomes its float level in one `vpermps`).
+  All 120 SmolLM2 projections, weights out of cache, ms per iteration on that Xeon:
+
+  | rows | 1 | 2 | 4 | 8 | 16 | 32 | 64 |
+  | --- | --- | --- | --- | --- | --- | --- | --- |
+  | float32, oneDNN prepacked | 20.6 | 20.7 | 22.4 | 25.8 | 31.7 | 42.9 | 68.9 |
+  | `shoal::int8_linear` | 6.3 | 6.7 | 7.7 | 11.6 | 19.8 | 35.8 | 69.9 |
+  | `shoal::int4_linear` | 4.4 | 4.5 | 6.6 | 11.3 | 20.1 | 37.3 | 73.9 |
+
+  so they serve up to `LANES_MAX_ROWS` rows (int4 stops at 16, where the two are within noise).
 - Plain `F.linear` otherwise (float16, another device, or no oneDNN).
 """
 
@@ -88,6 +103,8 @@ from worker.config import QUANTIZATIONS
 QUANTIZED_MAX_ROWS = {"int8": 2, "int4": 4, "w8a8": 2}
 VNNI_INT8_MAX_ROWS = 4  # int8 weights through shoal::int8_gemv beat bfloat16 up to here (8: even)
 W8A8_MIN_ROWS = 16  # int8 x int8 matmuls beat bfloat16 from here (measured: 17 yes, 8 no)
+# float32 iterations of up to this many rows take shoal::int8_linear / int4_linear (table above).
+LANES_MAX_ROWS = {"int8": 32, "int4": 16, "w8a8": W8A8_MIN_ROWS - 1}
 AMX_MAX_ROWS = 1024  # shoal::amx_linear beats oneDNN up to here (table above; 2,048 rows: not)
 DP_MAX_ROWS = 256  # shoal::dp_linear beats oneDNN in the engine up to here (see above)
 # SmolLM2's LM head ([49152, 576]) through dp_linear against oneDNN, ms (2-core Zen 5, A/B
@@ -112,36 +129,93 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.to(weight.dtype)
 
 
-def quantize_int4(weight: torch.Tensor,
-                  group_size: int = INT4_GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+def int4_levels(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric int4 in groups of `group_size` input channels (GGUF Q4_1's scheme):
-    `weight[o, g * group_size + j] ≈ scale[g, o] * q[o, ...] + minimum[g, o]`, q in [0, 15], with
-    `scale = (max - min) / 15` per group.
+    `weight[o, g * group_size + j] ≈ scale[o, g] * q[o, g * group_size + j] + minimum[o, g]`,
+    q in [0, 15], with `scale = (max - min) / 15` per group.
 
     Args:
-        weight: `[out, in]` float; `in` divisible by `group_size`, `out` even.
+        weight: `[out, in]` float; `in` divisible by `group_size`.
 
     Returns:
-        The 4-bit levels packed for `aten._weight_int4pack_mm_for_cpu` (`[out, in / 2]` uint8),
-        and its `[in / group_size, out, 2]` scales and zeros in weight's dtype (the kernel computes
-        `(q - 8) * scale + zero`, so `zero = minimum + 8 * scale`).
+        `q` `[out, in]` int32 levels, `scale` and `minimum` `[out, in / group_size]` float32.
 
     Raises:
-        ValueError: shapes the kernel cannot take.
+        ValueError: `in` not divisible by `group_size`.
     """
     out_features, in_features = weight.shape
-    if in_features % group_size or out_features % 2:
-        raise ValueError(f"int4 needs in_features divisible by {group_size} and even "
-                         f"out_features, got {tuple(weight.shape)}")
+    if in_features % group_size:
+        raise ValueError(f"int4 needs in_features divisible by {group_size}, "
+                         f"got {tuple(weight.shape)}")
     w = weight.float().reshape(out_features, in_features // group_size, group_size)
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)
     scale = (hi - lo) / 15.0
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     q = torch.round((w - lo[..., None]) * inv[..., None]).clamp(0, 15).to(torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-        q.reshape(out_features, in_features), 1)
+    return q.reshape(out_features, in_features), scale, lo
+
+
+def quantize_int4(weight: torch.Tensor,
+                  group_size: int = INT4_GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """`int4_levels` packed for `aten._weight_int4pack_mm_for_cpu`.
+
+    Args:
+        weight: `[out, in]` float; `in` divisible by `group_size`, `out` even.
+
+    Returns:
+        The 4-bit levels packed for the kernel (`[out, in / 2]` uint8), and its
+        `[in / group_size, out, 2]` scales and zeros in weight's dtype (the kernel computes
+        `(q - 8) * scale + zero`, so `zero = minimum + 8 * scale`).
+
+    Raises:
+        ValueError: shapes the kernel cannot take.
+    """
+    if weight.shape[0] % 2:
+        raise ValueError(f"int4 needs even out_features, got {tuple(weight.shape)}")
+    q, scale, lo = int4_levels(weight, group_size)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     scales_zeros = torch.stack([scale, lo + 8.0 * scale], dim=-1).transpose(0, 1).contiguous()
     return packed, scales_zeros.to(weight.dtype)
+
+
+def pack_int8_lanes(q: torch.Tensor) -> torch.Tensor:
+    """Per-channel int8 weights `[out, in]` into `shoal::int8_linear`'s layout
+    `[out / 16, in, 16]`: 16 output channels in the lanes of a vector (worker/csrc/cpu_ops.cpp).
+
+    Raises:
+        ValueError: `out` not a multiple of 32.
+    """
+    out_features, in_features = q.shape
+    if out_features % 32:
+        raise ValueError(f"lanes layout needs out_features divisible by 32, got {out_features}")
+    return q.reshape(out_features // 16, 16, in_features).transpose(1, 2).contiguous()
+
+
+def pack_int4_lanes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`int4_levels` in `shoal::int4_linear`'s layout (groups of 32 inputs).
+
+    Args:
+        weight: `[out, in]` float; `out` a multiple of 32, `in` a multiple of 32.
+
+    Returns:
+        `[out / 16, in / 32, 16, 16]` uint8 (byte j of lane c: the levels of inputs j and 16 + j
+        of the group, low and high nibble) and `[out / 16, in / 32, 2, 16]` float16 scales and
+        minimums.
+
+    Raises:
+        ValueError: shapes the layout cannot take.
+    """
+    out_features, in_features = weight.shape
+    if out_features % 32:
+        raise ValueError(f"lanes layout needs out_features divisible by 32, got {out_features}")
+    q, scale, lo = int4_levels(weight, 32)
+    groups, blocks = out_features // 16, in_features // 32
+    # [group, lane, block, nibble, j] -> [group, block, j, lane, nibble]
+    q = q.reshape(groups, 16, blocks, 2, 16).permute(0, 2, 4, 1, 3)
+    packed = (q[..., 0] | (q[..., 1] << 4)).to(torch.uint8).contiguous()
+    scale_min = torch.stack([scale, lo], dim=-1).reshape(groups, 16, blocks, 2)
+    return packed, scale_min.permute(0, 2, 3, 1).to(torch.float16).contiguous()
 
 
 def _mkldnn_available() -> bool:
@@ -162,8 +236,10 @@ class Linear:
             their activations and run int8 x int8 (`torch._int_mm`).
         int8_gemv: int8 weights serve iterations of a few rows through `shoal::int8_gemv`
             (int8 activations; where the kernels were built with VNNI) instead of weight-only.
-        kernels: the C++ kernels quantize and dequantize activations (`worker.ops`), and serve
-            bfloat16 iterations of up to AMX_MAX_ROWS rows on AMX tiles where the CPU has them,
+        kernels: the C++ kernels quantize and dequantize activations (`worker.ops`), serve
+            float32 iterations of up to `LANES_MAX_ROWS` rows from quantized weights in the lanes
+            layout (`shoal::int8_linear`, `shoal::int4_linear`; out_features and in_features
+            multiples of 32), and serve bfloat16 iterations of up to AMX_MAX_ROWS rows on AMX tiles where the CPU has them,
             else of up to `dp_max_rows` rows with AVX512_BF16 (out_features and in_features
             multiples of 32; a second, packed copy of the weight).
         dp_max_rows: the most rows `shoal::dp_linear` serves (DP_MAX_ROWS; the LM head takes
@@ -198,6 +274,20 @@ class Linear:
                 self.max_quantized_rows = VNNI_INT8_MAX_ROWS
         elif quantization == "int4":
             self.quantized = quantize_int4(weight)
+        # float32 weights: torch's weight-only kernels were slower than the unquantized matmul
+        # (table above), so few-row iterations take shoal's lanes kernels, activations in float32.
+        self.lanes: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.lanes_max_rows = 0
+        if (quantization != "none" and kernels and weight.dtype == torch.float32
+                and ops.lanes_linear_available() and self.out_features % 32 == 0
+                and self.in_features % 32 == 0):
+            if quantization == "int4":
+                self.lanes = pack_int4_lanes(weight)
+            else:
+                self.lanes = (pack_int8_lanes(self.quantized[0]), self.quantized[1].float())
+            self.lanes_max_rows = LANES_MAX_ROWS[quantization]
+            if not self.vnni:
+                self.max_quantized_rows = 0
         # bfloat16 weights packed in pairs of input channels serve iterations of up to
         # `pairs_max_rows` rows, on AMX tiles where the CPU has them, else with AVX512_BF16 dot
         # products; oneDNN's prepacked copy serves larger ones (table above).
@@ -236,6 +326,10 @@ class Linear:
             if self.quantization == "int4":
                 return torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, INT4_GROUP_SIZE, scale)
             return torch.ops.aten._weight_int8pack_mm(x, q, scale)
+        if x.shape[0] <= self.lanes_max_rows:
+            if self.quantization == "int4":
+                return torch.ops.shoal.int4_linear(x, *self.lanes)
+            return torch.ops.shoal.int8_linear(x, *self.lanes)
         if self.uses_w8a8(x.shape[0]):
             return self._w8a8(x, silu_and_mul=False)
         if x.shape[0] <= self.pairs_max_rows:

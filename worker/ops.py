@@ -71,6 +71,13 @@ def int8_gemv_available() -> bool:
     return cpu_ops.load() and hasattr(torch.ops.shoal, "int8_gemv")
 
 
+def lanes_linear_available() -> bool:
+    """True when the C++ kernels were built with AVX-512: `shoal::int8_linear` and
+    `shoal::int4_linear`, weight-only quantized matmuls with float32 activations
+    (worker/linear.py)."""
+    return cpu_ops.load() and hasattr(torch.ops.shoal, "int4_linear")
+
+
 def dp_linear_available() -> bool:
     """True when the C++ kernels were built with AVX512_BF16: `shoal::dp_linear` and the
     bfloat16-pair prefill attention (worker/linear.py, worker/csrc/cpu_ops.cpp)."""

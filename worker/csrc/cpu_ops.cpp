@@ -21,6 +21,7 @@
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -1069,6 +1070,184 @@ Tensor int8_gemv(const Tensor& x, const Tensor& w, const Tensor& w_scale, const 
 }
 #endif
 
+#if defined(__AVX512F__)
+// ---------------------------------------------------------------------------------------------
+// Weight-only int8 and int4 matmuls for iterations of a few rows, activations kept in float32:
+// the few-row path of `--quantization int8 / int4` where the engine serves float32 (CPUs without
+// bfloat16 instructions). There a decode step is bound by reading weights, and torch's
+// `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` took 50 and 126 ms a single-stream step
+// against 27 ms unquantized (2-core Xeon, docs/benchmarks.md session 7).
+//
+// The weights hold 16 output channels in the 16 lanes of a vector ("lanes" layout): a weight
+// vector is widened to float32 and multiplied by one broadcast activation, so no horizontal sums
+// are needed and scales apply lane by lane.
+//   int8: w [N/16][K][16] int8 (lane c of group g at input k: channel 16g + c);
+//         y[i, n] = scale[n] * sum_k w[n, k] x[i, k]
+//   int4: w [N/16][K/32][16][16] uint8: byte j of lane c in block b holds the levels of inputs
+//         32b + j (low nibble) and 32b + 16 + j (high nibble); scale_min [N/16][K/32][2][16]
+//         float16, each block's 16 scales then 16 minimums (GGUF Q4_1's scheme):
+//         y[i, n] = sum_b scale[n, b] * sum_{k in b} q[n, k] x[i, k] + min[n, b] * sum_{k in b} x[i, k]
+// Two groups (32 channels) go together and up to kLaneRows rows share each widened weight vector;
+// more rows go kLaneRows at a time over the same group pair, whose weights are then in cache.
+// ---------------------------------------------------------------------------------------------
+constexpr int64_t kLaneRows = 4;
+
+template <int64_t M>
+void int8_lanes_rows(const float* x, const int8_t* w, const float* scale, float* y, int64_t k,
+                     int64_t n, int64_t g) {
+  const int8_t* w0 = w + g * k * 16;
+  const int8_t* w1 = w0 + k * 16;
+  __m512 acc[2][M][2];  // [input parity][row][group]: independent chains hide FMA latency
+  for (auto& a : acc)
+    for (auto& r : a) r[0] = r[1] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; c += 2) {
+    for (int64_t p = 0; p < 2; ++p) {
+      const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w0 + (c + p) * 16))));
+      const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w1 + (c + p) * 16))));
+      for (int64_t i = 0; i < M; ++i) {
+        const __m512 xv = _mm512_set1_ps(x[i * k + c + p]);
+        acc[p][i][0] = _mm512_fmadd_ps(a, xv, acc[p][i][0]);
+        acc[p][i][1] = _mm512_fmadd_ps(b, xv, acc[p][i][1]);
+      }
+    }
+  }
+  for (int64_t h = 0; h < 2; ++h) {
+    const __m512 s = _mm512_loadu_ps(scale + (g + h) * 16);
+    for (int64_t i = 0; i < M; ++i)
+      _mm512_storeu_ps(y + i * n + (g + h) * 16,
+                       _mm512_mul_ps(_mm512_add_ps(acc[0][i][h], acc[1][i][h]), s));
+  }
+}
+
+template <int64_t M>
+void int4_lanes_rows(const float* x, const float* x_sum, const uint8_t* w, const uint16_t* sm,
+                     float* y, int64_t k, int64_t n, int64_t g) {
+  const int64_t nb = k / 32;
+  // vpermps reads only the low 4 bits of each index: a lookup in 0..15 turns a nibble into its
+  // float32 level in one shuffle, with no mask and no conversion (port 5 rather than port 0).
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 acc[M][2];
+  for (auto& r : acc) r[0] = r[1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb[2] = {w + (g * nb + b) * 256, w + ((g + 1) * nb + b) * 256};
+    __m512 t[M][2][2];  // [row][group][low / high nibbles]: a block's sums before its scale
+    for (auto& r : t)
+      for (auto& h : r) h[0] = h[1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < 16; ++j) {
+      __m512 lo[2], hi[2];
+      for (int64_t h = 0; h < 2; ++h) {
+        const __m512i v = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb[h] + j * 16)));
+        lo[h] = _mm512_permutexvar_ps(v, levels);
+        hi[h] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), levels);
+      }
+      for (int64_t i = 0; i < M; ++i) {
+        const __m512 xl = _mm512_set1_ps(x[i * k + b * 32 + j]);
+        const __m512 xh = _mm512_set1_ps(x[i * k + b * 32 + 16 + j]);
+        for (int64_t h = 0; h < 2; ++h) {
+          t[i][h][0] = _mm512_fmadd_ps(lo[h], xl, t[i][h][0]);
+          t[i][h][1] = _mm512_fmadd_ps(hi[h], xh, t[i][h][1]);
+        }
+      }
+    }
+    for (int64_t h = 0; h < 2; ++h) {
+      const uint16_t* s = sm + ((g + h) * nb + b) * 32;
+      const __m512 scl = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+      const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)));
+      for (int64_t i = 0; i < M; ++i) {
+        acc[i][h] = _mm512_fmadd_ps(scl, _mm512_add_ps(t[i][h][0], t[i][h][1]), acc[i][h]);
+        acc[i][h] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x_sum[i * nb + b]), acc[i][h]);
+      }
+    }
+  }
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t i = 0; i < M; ++i) _mm512_storeu_ps(y + i * n + (g + h) * 16, acc[i][h]);
+}
+
+// Each row's sums over blocks of 32 inputs: x [rows, K] float32 -> [rows, K/32].
+std::vector<float> block_sums(const float* x, int64_t m, int64_t k) {
+  std::vector<float> sums(m * (k / 32));
+  for (int64_t b = 0; b < m * (k / 32); ++b) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t e = 0; e < 32; ++e) s += x[b * 32 + e];
+    sums[b] = s;
+  }
+  return sums;
+}
+
+// Runs `rows_fn<M>(row_offset, group)` over every group pair and every kLaneRows rows of x.
+template <typename RowsFn>
+void for_lane_tiles(int64_t m, int64_t n, RowsFn&& rows_fn) {
+  at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair)
+      for (int64_t i0 = 0; i0 < m; i0 += kLaneRows) {
+        switch (std::min<int64_t>(m - i0, kLaneRows)) {
+          case 1: rows_fn(std::integral_constant<int64_t, 1>{}, i0, 2 * pair); break;
+          case 2: rows_fn(std::integral_constant<int64_t, 2>{}, i0, 2 * pair); break;
+          case 3: rows_fn(std::integral_constant<int64_t, 3>{}, i0, 2 * pair); break;
+          default: rows_fn(std::integral_constant<int64_t, 4>{}, i0, 2 * pair); break;
+        }
+      }
+  });
+}
+
+void check_lanes_input(const Tensor& x, const Tensor& w, int64_t k, const char* name) {
+  check_cpu_contiguous(x, name);
+  check_cpu_contiguous(w, name);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && k % 32 == 0,
+              name, ": x [rows, K] with K a multiple of 32 matching the weight's");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              name, ": x float32 or bfloat16");
+}
+
+Tensor int8_linear(const Tensor& x, const Tensor& w, const Tensor& scale) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == 16 && w.scalar_type() == at::kChar,
+              "int8_linear: w [N/16, K, 16] int8");
+  const int64_t k = w.size(1), n = w.size(0) * 16, m = x.size(0);
+  check_lanes_input(x, w, k, "int8_linear");
+  check_cpu_contiguous(scale, "int8_linear scale");
+  TORCH_CHECK(n % 32 == 0 && scale.scalar_type() == at::kFloat && scale.numel() == n,
+              "int8_linear: N a multiple of 32 and float32 scale [N]");
+  const Tensor xf = x.to(at::kFloat);
+  Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for_lane_tiles(m, n, [&](auto rows, int64_t i0, int64_t g) {
+    int8_lanes_rows<decltype(rows)::value>(xp + i0 * k, wp, sp, yp + i0 * n, k, n, g);
+  });
+  return y.to(x.scalar_type());
+}
+
+Tensor int4_linear(const Tensor& x, const Tensor& w, const Tensor& scale_min) {
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == 16 && w.size(3) == 16 && w.scalar_type() == at::kByte,
+              "int4_linear: w [N/16, K/32, 16, 16] uint8");
+  const int64_t k = w.size(1) * 32, n = w.size(0) * 16, m = x.size(0);
+  check_lanes_input(x, w, k, "int4_linear");
+  check_cpu_contiguous(scale_min, "int4_linear scale_min");
+  TORCH_CHECK(n % 32 == 0 && scale_min.scalar_type() == at::kHalf &&
+                  scale_min.numel() == n / 16 * (k / 32) * 32,
+              "int4_linear: N a multiple of 32 and float16 scale_min [N/16, K/32, 2, 16]");
+  const Tensor xf = x.to(at::kFloat);
+  Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  const std::vector<float> x_sum = block_sums(xp, m, k);
+  const float* xs = x_sum.data();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const uint16_t* smp = static_cast<const uint16_t*>(scale_min.data_ptr());
+  float* yp = y.data_ptr<float>();
+  for_lane_tiles(m, n, [&](auto rows, int64_t i0, int64_t g) {
+    int4_lanes_rows<decltype(rows)::value>(xp + i0 * k, xs + i0 * (k / 32), wp, smp,
+                                           yp + i0 * n, k, n, g);
+  });
+  return y.to(x.scalar_type());
+}
+#endif
+
 // RoPE (Su et al., 2021) in the "rotate half" layout, in place on the query and key heads of the
 // fused QKV output: for each head, x1 = x[:D/2], x2 = x[D/2:];
 // x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin. cos_sin is [max_positions, D] float32 holding
@@ -1434,6 +1613,10 @@ TORCH_LIBRARY(shoal, m) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.def("int8_gemv(Tensor x, Tensor w, Tensor w_scale, Tensor w_sum) -> Tensor");
 #endif
+#if defined(__AVX512F__)
+  m.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor w, Tensor scale_min) -> Tensor");
+#endif
   m.def("dequantize_rows(Tensor acc, Tensor row_scale, Tensor col_scale, bool silu_and_mul, "
         "ScalarType out_dtype) -> Tensor");
   m.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
@@ -1455,6 +1638,10 @@ TORCH_LIBRARY_IMPL(shoal, CPU, m) {
   m.impl("quantize_rows", &quantize_rows);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.impl("int8_gemv", &int8_gemv);
+#endif
+#if defined(__AVX512F__)
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int4_linear", &int4_linear);
 #endif
   m.impl("dequantize_rows", &dequantize_rows);
   m.impl("topk_rows", &topk_rows);
