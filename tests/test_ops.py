@@ -209,8 +209,7 @@ def test_bfloat16_pair_kernels_serve_their_iterations(out_features, in_features)
     lin = Linear(w, kernels=True)
     assert lin.pairs is not None and lin.amx == ops.amx_available()
     assert lin.pairs_max_rows == (AMX_MAX_ROWS if lin.amx else DP_MAX_ROWS)
-    for rows in (1, 3, 7, 8, 16, 17, 40, 64, 81, 100, 300, lin.pairs_max_rows,
-                 lin.pairs_max_rows + 1, 2 * AMX_MAX_ROWS):
+    for rows in (1, 3, 7, 8, 16, 17, 40, 64, 81, 100, 300, AMX_MAX_ROWS, 2 * AMX_MAX_ROWS + 5):
         x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
         exact = torch.nn.functional.linear(x.float(), w.float())
         y = lin(x)
@@ -223,13 +222,39 @@ def test_bfloat16_pair_kernels_serve_their_iterations(out_features, in_features)
     # Which path serves which size: with the packed pairs zeroed, exactly the iterations the
     # pair kernels serve come out zero (dp_linear and oneDNN can agree to the bit here).
     lin.pairs = torch.zeros_like(lin.pairs)
-    for rows in (1, lin.pairs_max_rows, lin.pairs_max_rows + 1):
+    for rows in (1, AMX_MAX_ROWS, AMX_MAX_ROWS + 1, 2 * AMX_MAX_ROWS + 5):
         x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
         assert (lin(x) == 0).all() == (rows <= lin.pairs_max_rows), rows
+    if not lin.amx:  # dp_linear serves every size: the packed pairs are the only copy kept
+        assert lin.weight is None and lin.packed is None
     with pytest.raises(RuntimeError, match="multiples of 32"):
         torch.ops.shoal.pack_weight_pairs(w[:, :40].contiguous())
     with pytest.raises(RuntimeError, match="packed by pack_weight_pairs"):
         torch.ops.shoal.dp_linear(torch.zeros(2, in_features + 32, dtype=torch.bfloat16), packed)
+
+
+@pytest.mark.skipif(not ops.dp_linear_available() or ops.amx_available(),
+                    reason="needs AVX512_BF16 without AMX")
+@pytest.mark.parametrize(("intermediate", "in_features"), [(48, 64), (64, 1536)])
+def test_dp_linear_silu_is_swiglu_of_the_gate_up_projection(intermediate, in_features):
+    """A fused gate/up Linear on dp_linear computes silu(gate) * up in shoal::dp_linear_silu for
+    every iteration (row counts that leave partial tiles and, at 1,536 inputs, several row
+    passes; 48 channels: a last pair of blocks outside the 4-block tiles), against float32 math;
+    the projection itself still comes back in [gate | up] order."""
+    g = torch.Generator().manual_seed(50 + in_features)
+    w = (torch.randn(2 * intermediate, in_features, generator=g) * 0.1).to(torch.bfloat16)
+    lin = Linear(w, kernels=True, swiglu=True)
+    assert lin.swiglu_pairs
+    for rows in (1, 5, 6, 7, 13, 64, 300):
+        x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+        exact = torch.nn.functional.linear(x.float(), w.float())
+        gate, up = exact.chunk(2, dim=-1)
+        out = lin.silu_and_mul(x)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, intermediate)
+        assert rel(out, torch.nn.functional.silu(gate) * up) <= 5e-3, rows
+        assert rel(lin(x), exact) <= 5e-3, rows
+    lin.pairs = torch.zeros_like(lin.pairs)  # the fused kernel's output now comes out zero
+    assert (lin.silu_and_mul(torch.randn(300, in_features, generator=g).to(torch.bfloat16)) == 0).all()
 
 
 def test_int8_linear_is_used_for_few_rows_only():

@@ -55,24 +55,28 @@ for the number of rows an iteration brings.
   | `shoal::amx_linear` | 9.3 | 10.0 | 12.8 | 18.5 | 49-55 | 99-108 | 205 |
 
   so oneDNN keeps iterations of more than 1,024 rows.
-- **AVX512_BF16 dot products for bfloat16 iterations of up to 256 rows** (`shoal::dp_linear`,
+- **AVX512_BF16 dot products for bfloat16 iterations of every size** (`shoal::dp_linear`,
   where the CPU has AVX512_BF16 but no AMX: AMD Zen 4 and 5): the same packed weights, each
   64-byte vector a pair of input channels for 16 output channels, `vdpbf16ps` against a broadcast
   pair of x (32 multiply-adds an instruction), 8 rows by 48 channels of accumulators in registers.
-  All 120 SmolLM2 projections on a 2-core AMD EPYC (Zen 5), weights out of cache, ms per
-  iteration (medians; the host's speed drifted by 1.3x during these runs):
+  The gate/up projection packs its blocks in (gate, up) pairs and `shoal::dp_linear_silu` writes
+  SwiGLU's product from 6 rows by 2 such pairs of accumulators: the `[rows, 2 * intermediate]`
+  product is never stored. The threads take the work in small items (a pass of rows by a group of
+  blocks) as they come free, so a thread preempted by the fleet's other processes holds back one
+  item, not half the matmul. All 120 SmolLM2 projections (SwiGLU included) on a 2-core AMD EPYC
+  (Zen 5), weights out of cache, ms per iteration (medians of runs interleaved in one process):
 
   | rows | 1 | 16 | 64 | 256 | 512 | 1,024 | 2,048 |
   | --- | --- | --- | --- | --- | --- | --- | --- |
-  | oneDNN prepacked | 7.7 | 9.3-10.9 | 21.1-23.8 | 67.5-70.2 | 124 | 242 | 479 |
-  | `shoal::dp_linear` | 5.6 | 7.7-10.5 | 18.0-20.2 | 60.0-63.9 | 117 | 227 | 452 |
+  | oneDNN prepacked, then `silu_and_mul` | 6.9 | 9.4 | 20.8 | 61.6 | 117 | 241 | 474 |
+  | `shoal::dp_linear`, `dp_linear_silu` | 5.5 | 7.6 | 17.6 | 57.4 | 113 | 224 | 443 |
 
-  With weights in cache it reaches 950 GFLOP/s at 64 and 256 rows (oneDNN: 660-900), the
-  multiply-add peak of these cores. In whole engine iterations (A/B in one process, two runs),
-  decode steps at 1, 8, 32 and 64 rows took 8.5-10.1 / 11.8-12.2 / 23.5-24.0 / 38.9-39.8 ms
-  against 12.1-13.4 / 13.6-14.4 / 25.3-26.7 / 41.6-43.0; but prefill iterations of 512-2,048
-  rows were up to 9% slower than with oneDNN (why was not investigated), so oneDNN keeps
-  iterations of more than 256 rows.
+  The cores' peak is about 555 GFLOP/s each (a loop of independent `vdpbf16ps`); with weights in
+  cache the kernel reaches 1,000-1,080 GFLOP/s on 2 cores from 256 rows up. Session 6 measured
+  oneDNN up to 9% faster at 512-2,048 rows inside the engine and kept it there; session 8 found
+  W64's prefill iterations 2.14-2.30 s against oneDNN's 2.26-2.42 (the even split of each matmul
+  between the threads was replaced by the items above in the same change), so dp_linear now
+  serves every size and no oneDNN copy of these weights is kept.
 - **Lanes kernels for float32 iterations of a few rows under `--quantization`**
   (`shoal::int8_linear`, `shoal::int4_linear`, any AVX-512 CPU): where the engine serves float32
   (`--dtype auto` on CPUs without bfloat16 instructions), torch's weight-only kernels were slower
@@ -93,6 +97,8 @@ for the number of rows an iteration brings.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -106,10 +112,12 @@ W8A8_MIN_ROWS = 16  # int8 x int8 matmuls beat bfloat16 from here (measured: 17 
 # float32 iterations of up to this many rows take shoal::int8_linear / int4_linear (table above).
 LANES_MAX_ROWS = {"int8": 32, "int4": 16, "w8a8": W8A8_MIN_ROWS - 1}
 AMX_MAX_ROWS = 1024  # shoal::amx_linear beats oneDNN up to here (table above; 2,048 rows: not)
-DP_MAX_ROWS = 256  # shoal::dp_linear beats oneDNN in the engine up to here (see above)
+# shoal::dp_linear serves bfloat16 iterations of every size where it runs (see above).
+DP_MAX_ROWS = sys.maxsize
 # SmolLM2's LM head ([49152, 576]) through dp_linear against oneDNN, ms (2-core Zen 5, A/B
 # interleaved): 8 rows 0.92 / 1.26, 64 rows 4.67 / 4.85, 128 rows 10.25 / 9.30, 256 rows 19.6 /
-# 17.0 (why was not investigated), so it stops earlier.
+# 17.0 (why was not investigated), so it stops earlier. Session 8, another Zen 5 host: 16 rows
+# 1.21 / 1.67, 64 rows 3.95 / 4.06, 128 rows 7.48 / 7.65, 256 rows 15.2 / 14.6.
 LM_HEAD_DP_MAX_ROWS = 64
 INT4_GROUP_SIZE = 32  # GGUF's Q4_0 / Q4_1 block
 
@@ -222,6 +230,19 @@ def _mkldnn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def swiglu_interleave(weight: torch.Tensor) -> torch.Tensor:
+    """A fused `[gate; up]` weight `[2 * I, K]` with its 16-row blocks reordered gate 0, up 0,
+    gate 1, up 1, ...: the order `shoal::dp_linear_silu` reads (I a multiple of 16)."""
+    n, k = weight.shape
+    return weight.view(2, n // 32, 16, k).transpose(0, 1).reshape(n, k).contiguous()
+
+
+def swiglu_deinterleave(y: torch.Tensor) -> torch.Tensor:
+    """The product `[rows, 2 * I]` of a `swiglu_interleave`d weight back in `[gate | up]` order."""
+    rows, n = y.shape
+    return y.view(rows, n // 32, 2, 16).transpose(1, 2).reshape(rows, n)
+
+
 class Linear:
     """One projection without bias.
 
@@ -239,11 +260,16 @@ class Linear:
         kernels: the C++ kernels quantize and dequantize activations (`worker.ops`), serve
             float32 iterations of up to `LANES_MAX_ROWS` rows from quantized weights in the lanes
             layout (`shoal::int8_linear`, `shoal::int4_linear`; out_features and in_features
-            multiples of 32), and serve bfloat16 iterations of up to AMX_MAX_ROWS rows on AMX tiles where the CPU has them,
-            else of up to `dp_max_rows` rows with AVX512_BF16 (out_features and in_features
-            multiples of 32; a second, packed copy of the weight).
-        dp_max_rows: the most rows `shoal::dp_linear` serves (DP_MAX_ROWS; the LM head takes
-            LM_HEAD_DP_MAX_ROWS).
+            multiples of 32), and serve bfloat16 iterations of up to AMX_MAX_ROWS rows on AMX
+            tiles where the CPU has them, else of up to `dp_max_rows` rows with AVX512_BF16
+            (out_features and in_features multiples of 32; a packed copy of the weight, the only
+            one kept when it serves every size).
+        dp_max_rows: the most rows `shoal::dp_linear` serves (DP_MAX_ROWS: all; the LM head
+            takes LM_HEAD_DP_MAX_ROWS).
+        swiglu: the weight is a fused `[gate; up]` (`[2 * intermediate, in]`, intermediate a
+            multiple of 16) used through `silu_and_mul`; where dp_linear serves, its packed
+            copy interleaves gate and up blocks for `shoal::dp_linear_silu` (calling the
+            projection itself still returns `[gate | up]`).
 
     Raises:
         ValueError: an unknown quantization, or int4 on a shape it cannot take.
@@ -253,7 +279,8 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, quantization: str = "none", pack: bool = True,
                  quantize_activations: bool = False, int8_gemv: bool = False,
-                 kernels: bool = False, dp_max_rows: int = DP_MAX_ROWS) -> None:
+                 kernels: bool = False, dp_max_rows: int = DP_MAX_ROWS,
+                 swiglu: bool = False) -> None:
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         self.out_features, self.in_features = weight.shape
@@ -292,6 +319,7 @@ class Linear:
         # `pairs_max_rows` rows, on AMX tiles where the CPU has them, else with AVX512_BF16 dot
         # products; oneDNN's prepacked copy serves larger ones (table above).
         self.amx = False
+        self.swiglu_pairs = False
         self.pairs: torch.Tensor | None = None
         self.pairs_max_rows = 0
         if (kernels and weight.dtype == torch.bfloat16 and self.out_features % 32 == 0
@@ -300,8 +328,12 @@ class Linear:
                 self.amx, self.pairs_max_rows = True, AMX_MAX_ROWS
             elif ops.dp_linear_available():
                 self.pairs_max_rows = dp_max_rows
+            # A gate/up weight for dp_linear goes in (gate, up) block pairs: SwiGLU's product
+            # then comes out of shoal::dp_linear_silu's accumulators.
+            self.swiglu_pairs = swiglu and not self.amx and self.pairs_max_rows > 0
             if self.pairs_max_rows:
-                self.pairs = torch.ops.shoal.pack_weight_pairs(weight)
+                self.pairs = torch.ops.shoal.pack_weight_pairs(
+                    swiglu_interleave(weight) if self.swiglu_pairs else weight)
         # `[in, out]` int8 (a transposed view: what torch._int_mm takes) and `[out]` float32
         # scales. Not where AMX tiles serve bfloat16: they beat `torch._int_mm` at every size
         # measured on an AMX host (`[2048, 576] x [576, 3072]`: 3.2-4.0 ms against oneDNN's
@@ -312,7 +344,9 @@ class Linear:
             self.w8a8 = (q.t(), scale.float())
         self.packed = None
         self.weight: torch.Tensor | None = weight
-        if (pack and weight.dtype in (torch.bfloat16, torch.float32)
+        if self.pairs is not None and self.pairs_max_rows == sys.maxsize:
+            self.weight = None  # the packed pairs serve every iteration: no other copy is kept
+        elif (pack and weight.dtype in (torch.bfloat16, torch.float32)
                 and weight.device.type == "cpu" and _mkldnn_available()):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_ROWS_HINT)
             self.weight = None
@@ -335,7 +369,8 @@ class Linear:
         if x.shape[0] <= self.pairs_max_rows:
             if self.amx:
                 return torch.ops.shoal.amx_linear(x, self.pairs)
-            return torch.ops.shoal.dp_linear(x, self.pairs)
+            y = torch.ops.shoal.dp_linear(x, self.pairs)
+            return swiglu_deinterleave(y) if self.swiglu_pairs else y
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [None], "")
         return F.linear(x, self.weight)
@@ -347,8 +382,11 @@ class Linear:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU's `silu(gate) * up` of this fused gate/up projection of `x` `[rows, in]` ->
         `[rows, out / 2]`; under W8A8 the dequantization and the product are one pass."""
-        if self.uses_w8a8(x.shape[0]):
+        rows = x.shape[0]
+        if self.uses_w8a8(rows):
             return self._w8a8(x, silu_and_mul=True)
+        if self.swiglu_pairs and self.max_quantized_rows < rows <= self.pairs_max_rows:
+            return torch.ops.shoal.dp_linear_silu(x, self.pairs)
         return ops.silu_and_mul(self(x), self.kernels)
 
     def _w8a8(self, x: torch.Tensor, silu_and_mul: bool) -> torch.Tensor:

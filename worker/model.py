@@ -92,9 +92,10 @@ class LlamaModel:
                                    pack=fast_paths, int8_gemv=True, kernels=self.kernels,
                                    dp_max_rows=LM_HEAD_DP_MAX_ROWS)
 
-        def linear(*names: str, quantize_activations: bool = False) -> Linear:
+        def linear(*names: str, quantize_activations: bool = False, swiglu: bool = False) -> Linear:
             return Linear(torch.cat([weights[n] for n in names]), quantization, pack=fast_paths,
-                          quantize_activations=quantize_activations, kernels=self.kernels)
+                          quantize_activations=quantize_activations, kernels=self.kernels,
+                          swiglu=swiglu)
 
         self.layers = []
         for i in range(cfg.num_layers):
@@ -107,7 +108,7 @@ class LlamaModel:
                     o=linear(p + "self_attn.o_proj.weight"),
                     mlp_norm=weights[p + "post_attention_layernorm.weight"].float(),
                     gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
-                                   quantize_activations=quantization == "w8a8"),
+                                   quantize_activations=quantization == "w8a8", swiglu=True),
                     down=linear(p + "mlp.down_proj.weight"),
                 )
             )

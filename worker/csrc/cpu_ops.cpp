@@ -857,19 +857,21 @@ Tensor add_rms_norm(Tensor x, const c10::optional<Tensor>& delta, const Tensor& 
 // The vectorised loop divided by 1 + exp(-a) with vdivps, which made the op compute-bound (4.6x
 // a copy of its bytes at 2,048 rows); the AVX-512 loop takes rcp14 and one Newton step instead
 // (relative error ~1e-7 against the division, far below bfloat16's rounding).
+#if defined(__AVX512F__)
+inline __m512 silu16(__m512 a) {
+  const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), a)));
+  __m512 inv = _mm512_rcp14_ps(den);
+  inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
+  return _mm512_mul_ps(a, inv);
+}
+#endif
+
 template <typename scalar_t>
 inline void silu_and_mul_row(const scalar_t* __restrict gate, const scalar_t* __restrict up,
                              scalar_t* __restrict out, int64_t n) {
   int64_t e = 0;
 #if defined(__AVX512F__)
-  const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f);
-  for (; e + 16 <= n; e += 16) {
-    const __m512 a = load16(gate + e);
-    const __m512 den = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), a)));
-    __m512 inv = _mm512_rcp14_ps(den);
-    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, two));
-    store16(out + e, _mm512_mul_ps(_mm512_mul_ps(a, inv), load16(up + e)));
-  }
+  for (; e + 16 <= n; e += 16) store16(out + e, _mm512_mul_ps(silu16(load16(gate + e)), load16(up + e)));
 #endif
   for (; e < n; ++e) {  // the tail (the whole row without AVX-512; GCC vectorises it)
     const float a = to_float(gate[e]);
@@ -1507,22 +1509,52 @@ Tensor amx_linear(const Tensor& x_in, const Tensor& packed) {
 // y = x W^T with AVX512_BF16 dot products, for CPUs without AMX, against W packed by
 // pack_weight_pairs: `[N / 16][K / 2][16][2]`, so one 64-byte vector holds a pair of input
 // channels for 16 output channels, and `vdpbf16ps` with a broadcast pair of x adds 32 products.
-// A thread takes a contiguous run of 16-channel blocks, NR at a time (NR x K weights, 55 KB for
-// K = 576 and NR = 3: they stay in L1/L2 while every row of x passes), rows MR at a time in
-// MR x NR accumulators; so the weights stream from memory once per iteration, as in a GEMV, and
-// each weight vector loaded from cache serves MR rows. While the first MR rows of a group run,
-// the next group's weights are prefetched into L2 (the blocks lie one after the other, but the
-// hardware prefetcher alone left 64-row iterations 10% slower: 24.5-27.6 against 22.6-23.1 ms
-// for SmolLM2's 121 projections, A/B interleaved).
+// A tile is MR rows x NR blocks of accumulators; each weight vector loaded serves MR rows, and
+// the weights stream from memory about once per pass of rows, as in a GEMV.
 constexpr int64_t kDpRows = 8, kDpBlocks = 3;
+constexpr int64_t kDpSiluRows = 6, kDpSiluBlocks = 4;
 
-template <int64_t MR, int64_t NR>
-inline void dp_linear_tile(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t k,
-                           int64_t n, int64_t nb, const uint16_t* next) {
+// The output of a dp_linear tile: MR rows x NR blocks of float32 accumulators, rows from r and
+// blocks from nb. DpStore rounds them to bfloat16 in y `[M, N]`.
+struct DpStore {
+  uint16_t* y;
+  int64_t n;  // width of y
+  template <int64_t MR, int64_t NR>
+  void operator()(const __m512 (&acc)[MR][NR], int64_t r, int64_t nb) const {
+    for (int64_t i = 0; i < MR; ++i)
+      for (int64_t j = 0; j < NR; ++j)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (r + i) * n + (nb + j) * 16),
+                            (__m256i)_mm512_cvtneps_pbh(acc[i][j]));
+  }
+};
+
+// SwiGLU's product straight from the accumulators of a fused gate/up projection whose blocks
+// alternate gate and up (pack_weight_pairs of swiglu_interleave's order): block 2c holds gate
+// channels 16c..16c+15 and block 2c + 1 the same up channels, so y `[M, N / 2]` gets
+// silu(gate) * up computed in float32 and rounded once. The `[M, N]` gate/up product is never
+// written: at 2,048 rows that is 12 MB out and back per layer, which the separate
+// silu_and_mul pass spent 0.75 ms a layer on.
+struct DpSiluStore {
+  uint16_t* y;
+  int64_t n;  // width of y: N / 2
+  template <int64_t MR, int64_t NR>
+  void operator()(const __m512 (&acc)[MR][NR], int64_t r, int64_t nb) const {
+    static_assert(NR % 2 == 0, "gate and up blocks come in pairs");
+    for (int64_t i = 0; i < MR; ++i)
+      for (int64_t j = 0; j < NR; j += 2)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (r + i) * n + (nb + j) / 2 * 16),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu16(acc[i][j]), acc[i][j + 1])));
+  }
+};
+
+template <int64_t MR, int64_t NR, class Store>
+inline void dp_linear_tile(const uint16_t* x, const uint16_t* w, int64_t k, int64_t r, int64_t nb,
+                           const uint16_t* next, const Store& store) {
   __m512 acc[MR][NR];
   for (int64_t i = 0; i < MR; ++i)
     for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   const int64_t kp = k / 2;
+  const uint16_t* xr = x + r * k;
   for (int64_t p = 0; p < kp; ++p) {
     __m512bh wv[NR];
     for (int64_t j = 0; j < NR; ++j)
@@ -1530,54 +1562,75 @@ inline void dp_linear_tile(const uint16_t* x, const uint16_t* w, uint16_t* y, in
     if (next != nullptr)
       for (int64_t j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + (j * kp + p) * 32), _MM_HINT_T1);
     for (int64_t i = 0; i < MR; ++i) {
-      const __m512bh xp = broadcast_pair(x + i * k + 2 * p);
+      const __m512bh xp = broadcast_pair(xr + i * k + 2 * p);
       for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xp, wv[j]);
     }
   }
-  for (int64_t i = 0; i < MR; ++i)
-    for (int64_t j = 0; j < NR; ++j)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * n + (nb + j) * 16),
-                          (__m256i)_mm512_cvtneps_pbh(acc[i][j]));
+  store(acc, r, nb);
 }
 
-template <int64_t NR>
-void dp_linear_rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m, int64_t k,
-                    int64_t n, int64_t nb, const uint16_t* next) {
-  int64_t r = 0;
-  for (; r + kDpRows <= m; r += kDpRows, next = nullptr)
-    dp_linear_tile<kDpRows, NR>(x + r * k, w, y + r * n, k, n, nb, next);
-  const uint16_t* xr = x + r * k;
-  uint16_t* yr = y + r * n;
-  switch (m - r) {
-    case 7: dp_linear_tile<7, NR>(xr, w, yr, k, n, nb, next); break;
-    case 6: dp_linear_tile<6, NR>(xr, w, yr, k, n, nb, next); break;
-    case 5: dp_linear_tile<5, NR>(xr, w, yr, k, n, nb, next); break;
-    case 4: dp_linear_tile<4, NR>(xr, w, yr, k, n, nb, next); break;
-    case 3: dp_linear_tile<3, NR>(xr, w, yr, k, n, nb, next); break;
-    case 2: dp_linear_tile<2, NR>(xr, w, yr, k, n, nb, next); break;
-    case 1: dp_linear_tile<1, NR>(xr, w, yr, k, n, nb, next); break;
-    default: break;
+// The last `rem` (< MR) rows of a pass: a tile of exactly that many rows.
+template <int64_t MR, int64_t NR, class Store>
+inline void dp_linear_tail(int64_t rem, const uint16_t* x, const uint16_t* w, int64_t k, int64_t r,
+                           int64_t nb, const uint16_t* next, const Store& store) {
+  if constexpr (MR > 0) {
+    if (rem == MR) dp_linear_tile<MR, NR>(x, w, k, r, nb, next, store);
+    else dp_linear_tail<MR - 1, NR>(rem, x, w, k, r, nb, next, store);
   }
 }
 
-// Bytes of x per pass over the weights: those rows stay in L2 (1 MB on Zen 5) while the thread's
-// blocks pass; more rows are taken in several passes, each streaming the weights again.
-constexpr int64_t kDpRowBytes = 256 << 10;
+// Rows [r0, r1) of x against blocks [nb, nb + NR): kDpRows rows at a time, the weights (NR x K,
+// 55 KB for K = 576 and NR = 3) staying in L1/L2 while the rows pass. While the first rows run,
+// the next tile's weights are prefetched into L2 (the hardware prefetcher alone left 64-row
+// iterations 10% slower: 24.5-27.6 against 22.6-23.1 ms for SmolLM2's 121 projections).
+template <int64_t MR, int64_t NR, class Store>
+void dp_linear_rows(const uint16_t* x, const uint16_t* w, int64_t k, int64_t r0, int64_t r1,
+                    int64_t nb, const uint16_t* next, const Store& store) {
+  int64_t r = r0;
+  for (; r + MR <= r1; r += MR, next = nullptr)
+    dp_linear_tile<MR, NR>(x, w, k, r, nb, next, store);
+  dp_linear_tail<MR - 1, NR>(r1 - r, x, w, k, r, nb, next, store);
+}
 
-void dp_linear_blocks(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m, int64_t k,
-                      int64_t n, int64_t begin, int64_t end) {
-  const int64_t rows = std::max<int64_t>(kDpRows, kDpRowBytes / (2 * k) / kDpRows * kDpRows);
-  for (int64_t m0 = 0; m0 < m; m0 += rows) {
-    const int64_t mm = std::min(rows, m - m0);
-    const uint16_t* xm = x + m0 * k;
-    uint16_t* ym = y + m0 * n;
-    int64_t nb = begin;
-    for (; nb + kDpBlocks <= end; nb += kDpBlocks) {
-      const uint16_t* next = nb + kDpBlocks < end ? w + (nb + kDpBlocks) * k * 16 : nullptr;
-      dp_linear_rows<kDpBlocks>(xm, w, ym, mm, k, n, nb, next);
+// Bytes of x per pass over the weights: those rows stay in L2 (1 MB on Zen 5) while the
+// weights pass; more rows are taken in several passes, each streaming the weights again.
+constexpr int64_t kDpRowBytes = 256 << 10;
+// Work items per thread in each pass (see dp_linear_run).
+constexpr int64_t kDpItemsPerThread = 4;
+
+// y = x W^T over `blocks` 16-channel output blocks, NR blocks to a tile, written by `store`.
+// The work is cut into items (a pass of rows x a group of tiles) that the threads take one at a
+// time (schedule(dynamic)): on a machine whose cores the gateway, the scheduler and Redis also
+// need, the thread that another process preempts holds back only its current item, where an even
+// split up front made the other thread wait at the end of every matmul for the preempted one's
+// whole half.
+template <int64_t MR, int64_t NR, class Store>
+void dp_linear_run(const uint16_t* x, const uint16_t* w, int64_t m, int64_t k, int64_t blocks,
+                   const Store& store) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t rows = std::max<int64_t>(MR, kDpRowBytes / (2 * k) / MR * MR);
+  const int64_t passes = (m + rows - 1) / rows;
+  const int64_t tiles = (blocks + NR - 1) / NR;
+  const int64_t per_group = std::max<int64_t>(1, tiles / (threads * kDpItemsPerThread));
+  const int64_t groups = (tiles + per_group - 1) / per_group;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t item = 0; item < passes * groups; ++item) {
+    const int64_t r0 = item / groups * rows, r1 = std::min(m, r0 + rows);
+    const int64_t b0 = item % groups * per_group * NR;
+    const int64_t b1 = std::min(blocks, b0 + per_group * NR);
+    int64_t nb = b0;
+    for (; nb + NR <= b1; nb += NR) {
+      const uint16_t* next = nb + NR < b1 ? w + (nb + NR) * k * 16 : nullptr;
+      dp_linear_rows<MR, NR>(x, w, k, r0, r1, nb, next, store);
     }
-    if (end - nb == 2) dp_linear_rows<2>(xm, w, ym, mm, k, n, nb, nullptr);
-    if (end - nb == 1) dp_linear_rows<1>(xm, w, ym, mm, k, n, nb, nullptr);
+    // The last blocks when NR does not divide them. N is a multiple of 32, so the blocks are
+    // even: with an even NR (gate/up pairs) the rest is 2 blocks, never 1.
+    if constexpr (NR > 2) {
+      if (b1 - nb == 2) dp_linear_rows<MR, 2>(x, w, k, r0, r1, nb, nullptr, store);
+    }
+    if constexpr (NR % 2 == 1) {
+      if (b1 - nb == 1) dp_linear_rows<MR, 1>(x, w, k, r0, r1, nb, nullptr, store);
+    }
   }
 }
 
@@ -1587,13 +1640,21 @@ Tensor dp_linear(const Tensor& x_in, const Tensor& packed) {
   const auto [x, n] = pair_linear_input(x_in, packed);
   const int64_t m = x.size(0), k = x.size(1);
   Tensor y = at::empty({m, n}, x.options());
-  const uint16_t* xq = ptr<uint16_t>(x);
-  const uint16_t* wq = ptr<uint16_t>(packed);
-  uint16_t* yq = ptr<uint16_t>(y);
-  const int64_t blocks = n / 16, threads = at::get_num_threads();
-  at::parallel_for(0, blocks, (blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
-    dp_linear_blocks(xq, wq, yq, m, k, n, begin, end);
-  });
+  dp_linear_run<kDpRows, kDpBlocks>(ptr<uint16_t>(x), ptr<uint16_t>(packed), m, k, n / 16,
+                           DpStore{ptr<uint16_t>(y), n});
+  return y;
+}
+
+// silu(x G^T) * (x U^T) for x `[M, K]` bfloat16 against a fused gate/up weight `[2I, K]` whose
+// 16-row blocks were interleaved (gate block c, then up block c) before pack_weight_pairs;
+// returns `[M, I]` bfloat16 (float32 accumulation and SwiGLU, rounded once). 8 rows x 2 blocks
+// of accumulators: one gate block and its up block.
+Tensor dp_linear_silu(const Tensor& x_in, const Tensor& packed) {
+  const auto [x, n] = pair_linear_input(x_in, packed);
+  const int64_t m = x.size(0), k = x.size(1);
+  Tensor y = at::empty({m, n / 2}, x.options());
+  dp_linear_run<kDpSiluRows, kDpSiluBlocks>(ptr<uint16_t>(x), ptr<uint16_t>(packed), m, k, n / 16,
+                   DpSiluStore{ptr<uint16_t>(y), n / 2});
   return y;
 }
 #endif
@@ -1624,6 +1685,7 @@ TORCH_LIBRARY(shoal, m) {
 #ifdef SHOAL_BF16_PAIRS
   m.def("pack_weight_pairs(Tensor weight) -> Tensor");
   m.def("dp_linear(Tensor x, Tensor packed) -> Tensor");
+  m.def("dp_linear_silu(Tensor x, Tensor packed) -> Tensor");
 #endif
 #ifdef SHOAL_AMX
   m.def("amx_linear(Tensor x, Tensor packed) -> Tensor");
@@ -1649,6 +1711,7 @@ TORCH_LIBRARY_IMPL(shoal, CPU, m) {
 #ifdef SHOAL_BF16_PAIRS
   m.impl("pack_weight_pairs", &pack_weight_pairs);
   m.impl("dp_linear", &dp_linear);
+  m.impl("dp_linear_silu", &dp_linear_silu);
 #endif
 #ifdef SHOAL_AMX
   m.impl("amx_linear", &amx_linear);
