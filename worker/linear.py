@@ -72,10 +72,10 @@ for the number of rows an iteration brings.
   | `shoal::dp_linear`, `dp_linear_silu` | 5.5 | 7.6 | 17.6 | 57.4 | 113 | 224 | 443 |
 
   The cores' peak is about 555 GFLOP/s each (a loop of independent `vdpbf16ps`); with weights in
-  cache the kernel reaches 1,000-1,080 GFLOP/s on 2 cores from 256 rows up. Session 6 measured
+  cache the kernel reaches 980-1,080 GFLOP/s on 2 cores from 256 rows up. Session 6 measured
   oneDNN up to 9% faster at 512-2,048 rows inside the engine and kept it there; session 8 found
-  W64's prefill iterations 2.14-2.30 s against oneDNN's 2.26-2.42 (the even split of each matmul
-  between the threads was replaced by the items above in the same change), so dp_linear now
+  W64's prefill iterations 2.14-2.30 s with dp_linear and dp_linear_silu at every size against
+  2.26-2.42 with oneDNN and `silu_and_mul` above 256 rows (interleaved runs), so dp_linear now
   serves every size and no oneDNN copy of these weights is kept.
 - **Lanes kernels for float32 iterations of a few rows under `--quantization`**
   (`shoal::int8_linear`, `shoal::int4_linear`, any AVX-512 CPU): where the engine serves float32

@@ -1647,8 +1647,8 @@ Tensor dp_linear(const Tensor& x_in, const Tensor& packed) {
 
 // silu(x G^T) * (x U^T) for x `[M, K]` bfloat16 against a fused gate/up weight `[2I, K]` whose
 // 16-row blocks were interleaved (gate block c, then up block c) before pack_weight_pairs;
-// returns `[M, I]` bfloat16 (float32 accumulation and SwiGLU, rounded once). 8 rows x 2 blocks
-// of accumulators: one gate block and its up block.
+// returns `[M, I]` bfloat16 (float32 accumulation and SwiGLU, rounded once). 6 rows x 4 blocks
+// of accumulators: two gate blocks, each beside its up block.
 Tensor dp_linear_silu(const Tensor& x_in, const Tensor& packed) {
   const auto [x, n] = pair_linear_input(x_in, packed);
   const int64_t m = x.size(0), k = x.size(1);
