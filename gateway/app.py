@@ -336,7 +336,9 @@ class Gateway:
         metrics.PROMPT_TOKENS.inc(len(p.prompt_ids))
         metrics.ACTIVE_STREAMS.inc()
         try:
-            await self.redis.xadd(self.keys.requests, {"m": encode(sub)})
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xadd(self.keys.requests, {"m": encode(sub)})
+            await self._ring(pipe).execute()
             detok = IncrementalDetokenizer(self.tokenizer)
             stops = StopMatcher(p.stops)
             next_index = 0
@@ -378,13 +380,22 @@ class Gateway:
             else:
                 self._cancel_soon(p.request_id)
 
+    def _ring(self, pipe):
+        """Add to `pipe` the wake-up that follows every request and cancel: the scheduler blocks
+        on it (and on results) instead of polling for them. Trimmed to one entry, so it stays
+        bounded while no scheduler is reading."""
+        pipe.rpush(self.keys.wakeups, b"1")
+        pipe.ltrim(self.keys.wakeups, 0, 0)
+        return pipe
+
     def _cancel_soon(self, request_id: str) -> None:
         """Tell the scheduler to drop a request, from a task of its own: when a client disconnects,
         the streaming response's cancel scope cancels every await of the request's own task,
         the one in its `finally` included, so the cancel must not be awaited there."""
         assert self.redis is not None
-        task = asyncio.get_running_loop().create_task(
-            self.redis.rpush(self.keys.cancels, encode(Cancel(request_id))))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.rpush(self.keys.cancels, encode(Cancel(request_id)))
+        task = asyncio.get_running_loop().create_task(self._ring(pipe).execute())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

@@ -9,7 +9,9 @@ drop the ones it already has.
 One loop: read new requests from the stream (consumer group), drain cancels, refresh the worker
 registry (a worker whose heartbeat key expired is dead: its requests go back to the pool), place
 waiting requests, keep one plan queued ahead of each busy worker so its engine never waits on Redis,
-and turn iteration results into token events published to each request's gateway. A request's
+and turn iteration results into token events published to each request's gateway. Between ticks
+it sleeps in one BLPOP on the results list and the wake-up list the gateways ring after each
+request and cancel. A request's
 stream entry is acknowledged (XACK) only when it has finished.
 """
 
@@ -43,6 +45,11 @@ log = logging.getLogger("shoal.scheduler")
 
 PLANS_AHEAD = 2  # plans in flight per worker: the one running and one queued behind it
 REGISTRY_REFRESH_S = 0.25
+# The longest a tick sleeps waiting for a result or a wake-up: the lease, the registry and queue
+# deadlines are looked at this often. Polling every 20 ms instead (what an earlier loop did while
+# a worker was busy) cost a Redis round trip per wake, 400 a W64 run, each taking a core from
+# the worker mid-iteration.
+WAIT_S = REGISTRY_REFRESH_S
 PROGRESS_TTL_S = 3600  # a request's saved tokens outlive any plausible failover
 # The TTL is set with the first saved token and renewed every this many (not on each token: one
 # command fewer per token), so a request generating for longer than the TTL keeps its tokens.
@@ -79,13 +86,17 @@ class SchedulerServer:
         # go out with the next tick's reads, in one round trip. Every command wakes Redis, which
         # on a small machine takes a core from the worker mid-iteration.
         self._outbox = self.redis.pipeline(transaction=False)
+        self._results_key = self.keys.results.encode()
 
     def stop(self, *_: object) -> None:
         self._stop = True
 
-    def run(self) -> int:
-        signal.signal(signal.SIGTERM, self.stop)
-        signal.signal(signal.SIGINT, self.stop)
+    def run(self, handle_signals: bool = True) -> int:
+        """Schedule (or stand by) until stopped; SIGTERM and SIGINT stop it when
+        `handle_signals` (only the main thread may install handlers). Returns the exit status."""
+        if handle_signals:
+            signal.signal(signal.SIGTERM, self.stop)
+            signal.signal(signal.SIGINT, self.stop)
         log.info("scheduler %s up (policy %s), waiting for the lease", self.consumer,
                  self.core.policy)
         backoff = 0.1
@@ -170,8 +181,7 @@ class SchedulerServer:
             log.info("recovered %d unfinished requests", recovered)
 
     def tick(self) -> None:
-        busy = any(w.plans_in_flight for w in self.core.workers.values())
-        self._exchange(busy)
+        self._exchange()
         if time.monotonic() - self._last_refresh > REGISTRY_REFRESH_S:
             self._refresh_workers()
         now = time.time()
@@ -191,21 +201,22 @@ class SchedulerServer:
         if len(self.core.waiting) != self._published_waiting:
             self._published_waiting = len(self.core.waiting)
             self._outbox.set(self.keys.waiting, self._published_waiting)
-        if busy:  # one result a tick: a second one queued behind it returns at once next tick
-            item = self.redis.blpop([self.keys.results], timeout=0.02)
-            if item is not None:
-                self._on_result(decode(item[1]))
+        if len(self._outbox):  # this tick's writes (failures, cancels' events, the waiting
+            self._outbox.execute()  # count) must not wait for the next wake
+        # Sleep until a result or a wake-up (a new request or cancel) arrives; one result a
+        # tick: a second one queued behind it returns at once next tick.
+        item = self.redis.blpop([self.keys.results, self.keys.wakeups], timeout=WAIT_S)
+        if item is not None and item[0] == self._results_key:
+            self._on_result(decode(item[1]))
 
-    def _exchange(self, busy: bool) -> None:
-        """Send the outbox and read new requests and cancels. While a worker is busy, all in one
-        round trip; while none is, the read of requests blocks up to 20 ms (after the outbox has
-        gone)."""
+    def _exchange(self) -> None:
+        """Send the outbox and read new requests and cancels, in one round trip. The wake-ups
+        that announced them are deleted first in the same trip: one that rings after the
+        delete finds its request either read by this trip or waiting for the next tick."""
         pipe = self._outbox
-        if not busy:
-            pipe.execute()
-            pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(self.keys.wakeups)
         pipe.xreadgroup(self.keys.scheduler_group, self.consumer, {self.keys.requests: ">"},
-                        count=256, block=None if busy else 20)
+                        count=256)
         pipe.lpop(self.keys.cancels, 256)
         *_, requests, cancels = pipe.execute()
         for _stream, entries in requests or []:

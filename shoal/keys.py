@@ -19,6 +19,8 @@ class Keys:
         tokens(gateway): pub/sub channel of `TokenEvents` (one message per iteration) for one
             gateway instance.
         cancels: list of `Cancel` (gateway RPUSH, scheduler drains).
+        wakeups: list that rings the scheduler (gateway RPUSH after each request and cancel,
+            trimmed to one entry; scheduler BLPOPs it beside `results`, deletes it when it reads).
         waiting: integer, requests waiting in the scheduler's pool (scheduler SET, gateways read
             it to refuse work beyond their bound with 429).
         lease: the active scheduler's id, with a TTL (SET NX PX, renewed by its holder).
@@ -57,6 +59,10 @@ class Keys:
     @property
     def cancels(self) -> str:
         return f"{self.prefix}:cancels"
+
+    @property
+    def wakeups(self) -> str:
+        return f"{self.prefix}:scheduler:wakeups"
 
     @property
     def waiting(self) -> str:
