@@ -1,9 +1,13 @@
 """The worker process: runs the iteration plans the scheduler addresses to it.
 
-It registers (a hash plus a heartbeat key with a TTL), then loops: pop the next plan from its list,
-run one engine iteration, push the result. A thread renews the heartbeat every second with the
-current free K/V blocks. On SIGTERM it drains: it advertises `draining`, hands back any request it
-is asked to admit, finishes what it runs, deregisters and exits 0.
+It registers (a hash plus a heartbeat key with a TTL), then loops: take the next plan, run one
+engine iteration, hand over the result. Redis stays off that loop: one thread pops plans from the
+worker's list while the engine computes (the scheduler keeps one queued ahead), another pushes
+results. Waiting on those round trips at each iteration's end cost 0.4-5 ms (2 on average) per
+iteration on two cores, where Redis, the scheduler and the gateway all wake at that moment. A
+thread renews the heartbeat every second with the current free K/V blocks. On SIGTERM it drains:
+it advertises `draining`, hands back any request it is asked to admit, finishes what it runs,
+deregisters and exits 0.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import signal
 import threading
 import time
@@ -49,6 +54,8 @@ class WorkerServer:
         self.redis = redis.Redis.from_url(settings.redis_url)
         self._draining = threading.Event()
         self._stopped = threading.Event()
+        self._plans: queue.Queue[IterationPlan] = queue.Queue()
+        self._results: queue.Queue[IterationResult | None] = queue.Queue()
         self.incarnation = uuid.uuid4().hex[:12]
 
     def info(self) -> WorkerInfo:
@@ -95,36 +102,65 @@ class WorkerServer:
         """Stop taking new requests; the loop exits once the running ones are done."""
         self._draining.set()
 
+    def _read_plans(self) -> None:
+        """Pop this worker's plans into `_plans` as they arrive, until stopped."""
+        r = redis.Redis.from_url(self.settings.redis_url)
+        backoff = 0.1
+        while not self._stopped.is_set():
+            try:
+                item = r.blpop([self.keys.plans(self.worker_id)], timeout=0.5)
+                backoff = 0.1
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                # The heartbeat thread re-registers once Redis is back; a scheduler that
+                # takes over then resets this engine.
+                log.warning("Redis unavailable (%s); retrying in %.1f s", e, backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            if item is not None:
+                plan = decode(item[1])
+                assert isinstance(plan, IterationPlan)
+                self._plans.put(plan)
+
+    def _push_results(self) -> None:
+        """Push each result of `_results` to the scheduler, in order, until a None."""
+        r = redis.Redis.from_url(self.settings.redis_url)
+        while (result := self._results.get()) is not None:
+            try:
+                r.rpush(self.keys.results, encode(result))
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                # Lost with the connection, as the plans in flight are: a scheduler that takes
+                # over resets this engine and admits its requests again.
+                log.warning("Redis unavailable (%s); iteration %d's result is lost", e,
+                            result.iteration)
+
     def run(self) -> int:
         """Serve until drained. Returns the process exit status."""
         signal.signal(signal.SIGTERM, self.drain)
         signal.signal(signal.SIGINT, self.drain)
         self._heartbeat(self.redis)
         threading.Thread(target=self._heartbeat_loop, daemon=True).start()
+        reader = threading.Thread(target=self._read_plans, daemon=True)
+        pusher = threading.Thread(target=self._push_results, daemon=True)
+        reader.start()
+        pusher.start()
         log.info("worker %s serving %s with %d K/V blocks", self.worker_id, self.model,
                  self.engine.num_total_blocks)
-        backoff = 0.1
         try:
             while not (self._draining.is_set() and not self.engine.running):
                 try:
-                    item = self.redis.blpop([self.keys.plans(self.worker_id)], timeout=0.5)
-                    if item is None:
-                        continue
-                    plan = decode(item[1])
-                    assert isinstance(plan, IterationPlan)
-                    self.redis.rpush(self.keys.results, encode(self.step(plan)))
-                    backoff = 0.1
-                except (redis.ConnectionError, redis.TimeoutError) as e:
-                    # The heartbeat thread re-registers once Redis is back; a scheduler that
-                    # takes over then resets this engine.
-                    log.warning("Redis unavailable (%s); retrying in %.1f s", e, backoff)
-                    time.sleep(backoff)
-                    backoff = min(backoff * 2, 2.0)
+                    plan = self._plans.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                self._results.put(self.step(plan))
         finally:
+            self._results.put(None)
+            pusher.join()  # the last results reach the scheduler before we leave
             self._stopped.set()
             with contextlib.suppress(redis.RedisError):
                 self._heartbeat(self.redis)  # last word: draining, with what is left
                 self._deregister()
+            reader.join()
         return 0
 
     def step(self, plan: IterationPlan) -> IterationResult:
