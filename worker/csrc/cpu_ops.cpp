@@ -212,10 +212,16 @@ struct AttnItem {
 
 // Asks for `n` elements from `p` on to be brought into cache, one request per 64-byte line.
 // Blocks lie anywhere in the pool, so the hardware prefetcher cannot see the next one coming.
+// Into L2, not L1 (prefetcht2): decode attention with the lines asked for 4 blocks ahead into
+// L1 measured no faster than 1 block ahead, and with them into L2 15-23% faster (64 requests of
+// 190 tokens, K/V out of cache, 2-core Zen 4: 630-690 -> 525-530 µs a layer).
 template <typename T> inline void prefetch(const T* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off, 0, 1);
 }
+
+// Decode attention asks for a request's K blocks this many blocks before it scores them.
+constexpr int64_t kPrefetchBlocks = 4;
 
 // Softmax of each of the G score rows over its first `len` entries, in place, then zeros up to
 // `upto` (so a tile's shorter rows add nothing past their length); returns 1 / sum per row in
@@ -244,9 +250,12 @@ template <typename scalar_t, int64_t G, int64_t BS, int64_t D, int64_t R>
 void attend(const AttnItem<scalar_t>& it) {
   constexpr int64_t Q = R * G, DC = R == 1 ? D : 32;
   const int64_t nblocks = (it.len + BS - 1) / BS;
+  for (int64_t b = 1; b < std::min(kPrefetchBlocks, nblocks); ++b)
+    prefetch(it.k_head + it.table[b] * D * BS, D * BS);
   for (int64_t b = 0; b < nblocks; ++b) {
     const scalar_t* kb = it.k_head + it.table[b] * D * BS;
-    if (b + 1 < nblocks) prefetch(it.k_head + it.table[b + 1] * D * BS, D * BS);
+    if (b + kPrefetchBlocks < nblocks)
+      prefetch(it.k_head + it.table[b + kPrefetchBlocks] * D * BS, D * BS);
     prefetch(it.v_head + it.table[b] * BS * D, BS * D);  // for the weighted sum below
     float acc[Q][BS] = {};
     for (int64_t e = 0; e < D; ++e) {
@@ -293,9 +302,12 @@ void attend16(const AttnItem<scalar_t>& it) {
   constexpr int64_t BS = 16, Q = R * G, DC = R == 1 ? D : 32, NV = DC / 16;
   static_assert(D % DC == 0 && DC % 16 == 0, "head_dim must be a multiple of 32");
   const int64_t nblocks = (it.len + BS - 1) / BS;
+  for (int64_t b = 1; b < std::min(kPrefetchBlocks, nblocks); ++b)
+    prefetch(it.k_head + it.table[b] * D * BS, D * BS);
   for (int64_t b = 0; b < nblocks; ++b) {
     const scalar_t* kb = it.k_head + it.table[b] * D * BS;
-    if (b + 1 < nblocks) prefetch(it.k_head + it.table[b + 1] * D * BS, D * BS);
+    if (b + kPrefetchBlocks < nblocks)
+      prefetch(it.k_head + it.table[b + kPrefetchBlocks] * D * BS, D * BS);
     prefetch(it.v_head + it.table[b] * BS * D, BS * D);
     __m512 acc[Q];
     for (int64_t j = 0; j < Q; ++j) acc[j] = _mm512_setzero_ps();
