@@ -11,8 +11,7 @@ registry (a worker whose heartbeat key expired is dead: its requests go back to 
 waiting requests, keep one plan queued ahead of each busy worker so its engine never waits on Redis,
 and turn iteration results into token events published to each request's gateway. Between ticks
 it sleeps in one BLPOP on the results list and the wake-up list the gateways ring after each
-request and cancel. A request's
-stream entry is acknowledged (XACK) only when it has finished.
+request and cancel. A request's stream entry is acknowledged (XACK) only when it has finished.
 """
 
 from __future__ import annotations

@@ -271,3 +271,23 @@ def test_worker_drains_on_sigterm(fleet):
     finally:
         if w.poll() is None:
             w.kill()
+
+
+def test_worker_that_cannot_read_its_plans_leaves_the_fleet(fleet):
+    """Plans are read by a thread of the worker: when that thread breaks (here on a plan that is
+    not a message), the worker leaves the fleet and exits 1 instead of hanging with its
+    heartbeat still beating; the fleet keeps serving."""
+    import redis
+
+    r = redis.Redis.from_url(fleet["redis"])
+    w = spawn_worker(fleet, "w-garbled", 64 << 20)
+    try:
+        r.rpush("shoal:plans:w-garbled", b"not a plan")
+        assert w.wait(60) == 1
+        assert not r.sismember("shoal:workers", "w-garbled")
+        reply = httpx.post(fleet["url"] + "/v1/completions", timeout=120, json={
+            "prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True}).json()
+        assert reply["usage"]["completion_tokens"] == 3, reply
+    finally:
+        if w.poll() is None:
+            w.kill()

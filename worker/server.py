@@ -134,14 +134,22 @@ class WorkerServer:
                 log.warning("Redis unavailable (%s); iteration %d's result is lost", e,
                             result.iteration)
 
+    def _or_fail(self, loop) -> None:
+        """Run a thread's loop; if it breaks, the worker leaves the fleet rather than hang with
+        its heartbeat still beating (an unreadable plan, say)."""
+        try:
+            loop()
+        except Exception as e:
+            self.fail(f"{loop.__name__}: {e!r}")
+
     def run(self) -> int:
         """Serve until drained. Returns the process exit status."""
         signal.signal(signal.SIGTERM, self.drain)
         signal.signal(signal.SIGINT, self.drain)
         self._heartbeat(self.redis)
         threading.Thread(target=self._heartbeat_loop, daemon=True).start()
-        reader = threading.Thread(target=self._read_plans, daemon=True)
-        pusher = threading.Thread(target=self._push_results, daemon=True)
+        reader = threading.Thread(target=self._or_fail, args=(self._read_plans,), daemon=True)
+        pusher = threading.Thread(target=self._or_fail, args=(self._push_results,), daemon=True)
         reader.start()
         pusher.start()
         log.info("worker %s serving %s with %d K/V blocks", self.worker_id, self.model,
