@@ -118,9 +118,10 @@ def test_shift_moves_keys_exactly_where_reevaluate_recomputes_them(fp32_model, t
 # of the next-token logits median 0.059, p99 0.54, max 1.31; total variation between the two
 # distributions median 0.064, max 0.62; same argmax at 91% of steps; perplexity shift 20.90,
 # reevaluate 21.30, sliding window without sinks 34.56 (2,000 tokens, which took this test 100 s
-# instead of 80: 0.070 / 0.56 / 1.67, 0.069 / 0.62, 91%, 22.06 / 21.87 / 38.18). Shift keeps K/V computed with the tokens
-# since dropped, reevaluate recomputes them without: they are two different approximations, and
-# right after an overflow they may disagree on single tokens. The bounds hold both to that.
+# instead of 80: 0.070 / 0.56 / 1.67, 0.069 / 0.62, 91%, 22.06 / 21.87 / 38.18). Shift keeps
+# K/V computed with the tokens since dropped, reevaluate recomputes them without: they are two
+# different approximations, and right after an overflow they may disagree on single tokens. The
+# bounds hold both to that.
 LOGITS_REL_MAX, TV_MEDIAN_MAX, ARGMAX_AGREEMENT_MIN, PERPLEXITY_GAP_MAX = 2.5, 0.10, 0.85, 0.05
 
 

@@ -31,7 +31,7 @@ def test_the_scheduler_sleeps_until_a_request_or_a_cancel_rings(redis_url, monke
     the gateway cancels it: the gateway's wake-ups wake it, not polling."""
     monkeypatch.setattr(scheduler_server, "WAIT_S", 600.0)
     keys = Keys()
-    r = redis.Redis.from_url(redis_url)
+    r = redis.Redis.from_url(redis_url, socket_timeout=60)  # its BLPOPs wait longer than 5 s
 
     async def scenario() -> None:
         gw = Gateway(redis_url, None)
