@@ -54,6 +54,21 @@ def test_fast_paths_give_the_reference_tokens_in_float32(fp32_model, tokenizer):
     assert fast == reference
 
 
+def test_greedy_iterations_without_full_logits_pick_the_same_tokens(bf16_model, tokenizer):
+    """Greedy rows that want no logprobs skip widening the logits to float32: same argmax, same
+    tokens as an engine that keeps every iteration's logits."""
+    engine = make_engine(bf16_model, dtype=torch.bfloat16)
+    hidden = torch.randn(5, engine.model_cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    logits, argmax = engine.model.compute_logits(hidden, full=True)
+    lean_logits, lean_argmax = engine.model.compute_logits(hidden, full=False)
+    assert lean_logits is None
+    assert torch.equal(lean_argmax, argmax) and torch.equal(argmax, logits.argmax(dim=1))
+    lean = generate(engine, _requests(tokenizer, 8))
+    full = generate(make_engine(bf16_model, dtype=torch.bfloat16, keep_logits=True),
+                    _requests(tokenizer, 8))
+    assert {r: c.token_ids for r, c in lean.items()} == {r: c.token_ids for r, c in full.items()}
+
+
 def _forced_logits(model, ids, **kw) -> torch.Tensor:
     """`[len(ids) - 1, vocab]` float32 logits of one request teacher-forced over `ids`."""
     got = []

@@ -333,14 +333,20 @@ class Engine:
             s.num_computed_tokens += c
         if not samplers:
             return []
-        logits, argmax = self.model.compute_logits(hidden)  # the sampling rows only
+        # Greedy rows that want no logprobs and may stop need only the argmax.
+        full = self.keep_logits or any(not s.params.greedy or s.params.logprobs
+                                       or s.num_output_tokens < s.params.min_tokens
+                                       for s in samplers)
+        logits, argmax = self.model.compute_logits(hidden, full)  # the sampling rows only
         # Sampling runs on the CPU: each request's seeded generator is a CPU generator, and the
         # rows that sample are few. (On the CPU these are no-ops.)
-        logits, argmax = logits.cpu(), argmax.cpu()
-        if self._suppress_early_stop(logits, samplers):
-            argmax = None  # banned tokens changed the rows: the sampler takes its own argmax
-        if self.keep_logits:
-            self.last_logits = {s.request_id: logits[i].clone() for i, s in enumerate(samplers)}
+        argmax = argmax.cpu()
+        if full:
+            logits = logits.cpu()
+            if self._suppress_early_stop(logits, samplers):
+                argmax = None  # banned tokens changed the rows: the sampler takes its own argmax
+            if self.keep_logits:
+                self.last_logits = {s.request_id: logits[i].clone() for i, s in enumerate(samplers)}
         tokens, logprobs = self.sampler(logits, [s.params for s in samplers],
                                         [s.generator for s in samplers], argmax)
         outputs = []

@@ -20,7 +20,7 @@ class Sampler:
     @torch.inference_mode()
     def __call__(
         self,
-        logits: torch.Tensor,
+        logits: torch.Tensor | None,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         argmax: torch.Tensor | None = None,
@@ -28,7 +28,8 @@ class Sampler:
         """Pick the next token of each row.
 
         Args:
-            logits: `[num_rows, vocab_size]` float32.
+            logits: `[num_rows, vocab_size]` float32; None when every row is greedy, wants no
+                logprobs and `argmax` is given.
             params: each row's sampling parameters.
             generators: each row's random stream (None for greedy rows).
             argmax: `[num_rows]` int64, each row's argmax when the caller has it already (a full
@@ -37,7 +38,12 @@ class Sampler:
         Returns:
             The sampled token id per row, and its log-probability under the model's (unscaled)
             distribution for rows that asked for `logprobs`, else None.
+
+        Raises:
+            ValueError: `logits` is None where a row needs them.
         """
+        if logits is None and (argmax is None or any(not p.greedy or p.logprobs for p in params)):
+            raise ValueError("the logits are needed: a row samples or wants logprobs")
         tokens = logits.argmax(dim=-1) if argmax is None else argmax.clone()
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
