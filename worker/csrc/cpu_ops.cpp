@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -1630,10 +1631,14 @@ constexpr int64_t kDpItemsPerThread = 4;
 
 // y = x W^T over `blocks` 16-channel output blocks, NR blocks to a tile, written by `store`.
 // The work is cut into items (a pass of rows x a group of tiles) that the threads take one at a
-// time (schedule(dynamic)): on a machine whose cores the gateway, the scheduler and Redis also
-// need, the thread that another process preempts holds back only its current item, where an even
-// split up front made the other thread wait at the end of every matmul for the preempted one's
-// whole half.
+// time: on a machine whose cores the gateway, the scheduler and Redis also need, the thread that
+// another process preempts holds back only its current items, where an even split up front made
+// the other thread wait at the end of every matmul for the preempted one's whole half. Each
+// thread claims its next item before it runs the current one, so the current item's last tile
+// prefetches the next item's first weights: with items of 1-2 tiles (decode's projections) most
+// tiles otherwise began with a cold read from DRAM (A/B in one process, SmolLM2's 120
+// projections, 2-core Zen 5: 16 rows 5.87 -> 4.97 ms, 32 rows 8.98 -> 7.72, 64 rows 15.4 -> 14.2,
+// 128 rows 29.1 -> 27.9; as fast as contiguous halves per thread).
 template <int64_t MR, int64_t NR, class Store>
 void dp_linear_run(const uint16_t* x, const uint16_t* w, int64_t m, int64_t k, int64_t blocks,
                    const Store& store) {
@@ -1643,16 +1648,16 @@ void dp_linear_run(const uint16_t* x, const uint16_t* w, int64_t m, int64_t k, i
   const int64_t tiles = (blocks + NR - 1) / NR;
   const int64_t per_group = std::max<int64_t>(1, tiles / (threads * kDpItemsPerThread));
   const int64_t groups = (tiles + per_group - 1) / per_group;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t item = 0; item < passes * groups; ++item) {
+  const int64_t items = passes * groups;
+  auto first_block = [&](int64_t item) { return item % groups * per_group * NR; };
+  // Item `item`; `after` is the weights of the item this thread runs next (or null).
+  auto run = [&](int64_t item, const uint16_t* after) {
     const int64_t r0 = item / groups * rows, r1 = std::min(m, r0 + rows);
-    const int64_t b0 = item % groups * per_group * NR;
-    const int64_t b1 = std::min(blocks, b0 + per_group * NR);
+    const int64_t b0 = first_block(item), b1 = std::min(blocks, b0 + per_group * NR);
     int64_t nb = b0;
-    for (; nb + NR <= b1; nb += NR) {
-      const uint16_t* next = nb + NR < b1 ? w + (nb + NR) * k * 16 : nullptr;
-      dp_linear_rows<MR, NR>(x, w, k, r0, r1, nb, next, store);
-    }
+    for (; nb + NR <= b1; nb += NR)
+      dp_linear_rows<MR, NR>(x, w, k, r0, r1, nb, nb + NR < b1 ? w + (nb + NR) * k * 16 : after,
+                             store);
     // The last blocks when NR does not divide them. N is a multiple of 32, so the blocks are
     // even: with an even NR (gate/up pairs) the rest is 2 blocks, never 1.
     if constexpr (NR > 2) {
@@ -1660,6 +1665,15 @@ void dp_linear_run(const uint16_t* x, const uint16_t* w, int64_t m, int64_t k, i
     }
     if constexpr (NR % 2 == 1) {
       if (b1 - nb == 1) dp_linear_rows<MR, 1>(x, w, k, r0, r1, nb, nullptr, store);
+    }
+  };
+  std::atomic<int64_t> claimed{0};
+#pragma omp parallel num_threads(threads)
+  {
+    for (int64_t item = claimed.fetch_add(1); item < items;) {
+      const int64_t next = claimed.fetch_add(1);
+      run(item, next < items ? w + first_block(next) * k * 16 : nullptr);
+      item = next;
     }
   }
 }
