@@ -104,6 +104,7 @@ import torch.nn.functional as F
 
 from worker import ops
 from worker.config import QUANTIZATIONS
+from worker.hugepages import on_huge_pages
 
 # The most rows an iteration may have for the quantized kernel to beat bfloat16 (table above).
 QUANTIZED_MAX_ROWS = {"int8": 2, "int4": 4, "w8a8": 2}
@@ -332,8 +333,8 @@ class Linear:
             # then comes out of shoal::dp_linear_silu's accumulators.
             self.swiglu_pairs = swiglu and not self.amx and self.pairs_max_rows > 0
             if self.pairs_max_rows:
-                self.pairs = torch.ops.shoal.pack_weight_pairs(
-                    swiglu_interleave(weight) if self.swiglu_pairs else weight)
+                self.pairs = on_huge_pages(torch.ops.shoal.pack_weight_pairs(
+                    swiglu_interleave(weight) if self.swiglu_pairs else weight))
         # `[in, out]` int8 (a transposed view: what torch._int_mm takes) and `[out]` float32
         # scales. Not where AMX tiles serve bfloat16: they beat `torch._int_mm` at every size
         # measured on an AMX host (`[2048, 576] x [576, 3072]`: 3.2-4.0 ms against oneDNN's
