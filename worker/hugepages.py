@@ -1,7 +1,7 @@
 """Weights in memory backed by 2 MiB pages (transparent huge pages) where Linux offers them.
 
 A decode iteration streams every projection's weights from DRAM (SmolLM2: 269 MB in bfloat16),
-touching 66,000 4 KiB pages, each a TLB miss and a page walk; on 2 MiB pages that is 130. Linux
+touching 66,000 4 KiB pages, each a TLB miss and a page walk; on 2 MiB pages about 130. Linux
 backs anonymous memory with huge pages where the mapping asks for them (`madvise`, the default
 policy of most distributions, including this machine's), so the packed weights are copied into
 such a mapping at load. Measured (SmolLM2's 120 projections through `shoal::dp_linear`, A/B
