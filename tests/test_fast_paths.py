@@ -69,6 +69,19 @@ def test_greedy_iterations_without_full_logits_pick_the_same_tokens(bf16_model, 
     assert {r: c.token_ids for r, c in lean.items()} == {r: c.token_ids for r, c in full.items()}
 
 
+def test_min_tokens_bans_stop_tokens_in_greedy_iterations(bf16_model, tokenizer):
+    """A greedy row under `min_tokens` still gets its stop tokens banned (the engine asks for the
+    full logits then): the token greedy picks first, made a stop token, neither ends the request
+    nor comes out before `min_tokens` tokens."""
+    engine = make_engine(bf16_model, dtype=torch.bfloat16)
+    ids = tokenizer.encode("The capital of France is", add_special_tokens=False)
+    first = generate(engine, [NewRequest("a", ids, SamplingParams(max_tokens=1, temperature=0.0))])
+    t0 = first["a"].token_ids[0]
+    params = SamplingParams(max_tokens=5, min_tokens=3, temperature=0.0, stop_token_ids=[t0])
+    out = generate(engine, [NewRequest("b", ids, params)])["b"]
+    assert len(out.token_ids) >= 3 and t0 not in out.token_ids[:3]
+
+
 def _forced_logits(model, ids, **kw) -> torch.Tensor:
     """`[len(ids) - 1, vocab]` float32 logits of one request teacher-forced over `ids`."""
     got = []

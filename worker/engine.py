@@ -333,10 +333,10 @@ class Engine:
             s.num_computed_tokens += c
         if not samplers:
             return []
-        # Greedy rows that want no logprobs and may stop need only the argmax.
-        full = self.keep_logits or any(not s.params.greedy or s.params.logprobs
-                                       or s.num_output_tokens < s.params.min_tokens
-                                       for s in samplers)
+        # Greedy rows that want no logprobs and ban no token need only the argmax.
+        params = [s.params for s in samplers]
+        full = (self.keep_logits or self.sampler.needs_logits(params)
+                or any(self._banned_tokens(s) for s in samplers))
         logits, argmax = self.model.compute_logits(hidden, full)  # the sampling rows only
         # Sampling runs on the CPU: each request's seeded generator is a CPU generator, and the
         # rows that sample are few. (On the CPU these are no-ops.)
@@ -347,8 +347,7 @@ class Engine:
                 argmax = None  # banned tokens changed the rows: the sampler takes its own argmax
             if self.keep_logits:
                 self.last_logits = {s.request_id: logits[i].clone() for i, s in enumerate(samplers)}
-        tokens, logprobs = self.sampler(logits, [s.params for s in samplers],
-                                        [s.generator for s in samplers], argmax)
+        tokens, logprobs = self.sampler(logits, params, [s.generator for s in samplers], argmax)
         outputs = []
         for s, tok, lp in zip(samplers, tokens, logprobs):
             index = s.num_output_tokens
@@ -359,19 +358,24 @@ class Engine:
             outputs.append(TokenOutput(s.request_id, tok, index, lp, reason))
         return outputs
 
-    def _suppress_early_stop(self, logits: torch.Tensor, samplers: list[Sequence]) -> bool:
-        """`min_tokens`: before it is reached, EOS and stop tokens cannot be sampled (as in vLLM).
-        Returns True when a logit was changed."""
+    def _banned_tokens(self, s: Sequence) -> list[int]:
+        """`min_tokens`: before it is reached, EOS (unless ignored) and the stop tokens cannot be
+        sampled (as in vLLM); the token ids `s` may not sample now."""
+        if s.num_output_tokens >= s.params.min_tokens:
+            return []
         eos = self.model_cfg.eos_token_id
+        return list(s.params.stop_token_ids) + (
+            [eos] if eos is not None and not s.params.ignore_eos else [])
+
+    @torch.inference_mode()  # the logits are an inference tensor: written in place only here
+    def _suppress_early_stop(self, logits: torch.Tensor, samplers: list[Sequence]) -> bool:
+        """Set the logits of each row's banned tokens (`_banned_tokens`) to -inf. Returns True
+        when a logit was changed."""
         changed = False
         for i, s in enumerate(samplers):
-            if s.num_output_tokens < s.params.min_tokens:
-                banned = list(s.params.stop_token_ids)
-                if eos is not None and not s.params.ignore_eos:
-                    banned.append(eos)
-                if banned:
-                    logits[i, banned] = float("-inf")
-                    changed = True
+            if banned := self._banned_tokens(s):
+                logits[i, banned] = float("-inf")
+                changed = True
         return changed
 
     def _finish_reason(self, s: Sequence, tok: int) -> str | None:

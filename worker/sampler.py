@@ -42,7 +42,7 @@ class Sampler:
         Raises:
             ValueError: `logits` is None where a row needs them.
         """
-        if logits is None and (argmax is None or any(not p.greedy or p.logprobs for p in params)):
+        if logits is None and (argmax is None or self.needs_logits(params)):
             raise ValueError("the logits are needed: a row samples or wants logprobs")
         tokens = logits.argmax(dim=-1) if argmax is None else argmax.clone()
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -59,6 +59,12 @@ class Sampler:
             for i, value in zip(want, lp.tolist()):
                 logprobs[i] = value
         return token_list, logprobs
+
+    @staticmethod
+    def needs_logits(params: list[SamplingParams]) -> bool:
+        """Whether rows with these parameters read their logits, not only their argmax: a row
+        that samples or wants logprobs."""
+        return any(not p.greedy or p.logprobs for p in params)
 
     def _sample(
         self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
