@@ -8,7 +8,8 @@ drop the ones it already has.
 
 One loop: read new requests from the stream (consumer group), drain cancels, refresh the worker
 registry (a worker whose heartbeat key expired is dead: its requests go back to the pool), place
-waiting requests, keep one plan queued ahead of each busy worker so its engine never waits on Redis,
+waiting requests, keep one plan queued ahead of each busy worker so its engine never waits on Redis
+(made as late as is safe behind a long prefill, so that requests arriving meanwhile join it),
 and turn iteration results into token events published to each request's gateway. Between ticks
 it sleeps in one BLPOP on the results list and the wake-up list the gateways ring after each
 request and cancel. A request's stream entry is acknowledged (XACK) only when it has finished.
@@ -21,12 +22,14 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 
 import redis
 
 from scheduler import metrics
-from scheduler.core import RequestState, Scheduler
+from scheduler.core import RequestState, Scheduler, WorkerState
 from shoal.keys import Keys
 from shoal.messages import (
     Cancel,
@@ -63,6 +66,34 @@ return 0
 """
 
 
+class _Alarm:
+    """Rings the scheduler's wake-up list at a set time (monotonic seconds), from a thread of its
+    own: a plan held behind a running prefill is due within milliseconds, and BLPOP's own
+    timeout only fires on Redis's clock ticks (`hz` 10: up to 100 ms late, measured)."""
+
+    def __init__(self, ring: Callable[[], object]) -> None:
+        self._ring = ring
+        self._at: float | None = None
+        self._cv = threading.Condition()
+        threading.Thread(target=self._loop, daemon=True, name="plan-alarm").start()
+
+    def set(self, at: float) -> None:
+        """Ring at `at` (or at the earlier time already set)."""
+        with self._cv:
+            if self._at is None or at < self._at:
+                self._at = at
+                self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while self._at is None or self._at > time.monotonic():
+                    self._cv.wait(None if self._at is None else self._at - time.monotonic())
+                self._at = None
+            with contextlib.suppress(redis.RedisError):  # the tick's own timeout still comes
+                self._ring()
+
+
 class SchedulerServer:
     def __init__(self, redis_url: str, policy: str = "reserve", max_num_seqs: int = 256,
                  prefix: str = "shoal", max_migrations: int = 3, lease_ms: int = 3000,
@@ -86,6 +117,7 @@ class SchedulerServer:
         # on a small machine takes a core from the worker mid-iteration.
         self._outbox = self.redis.pipeline(transaction=False)
         self._results_key = self.keys.results.encode()
+        self._alarm = _Alarm(lambda: self.redis.rpush(self.keys.wakeups, b"1"))
 
     def stop(self, *_: object) -> None:
         self._stop = True
@@ -193,7 +225,7 @@ class SchedulerServer:
             failed, self.core.failed = self.core.failed, []
             metrics.REQUESTS_FINISHED.labels("error").inc(len(failed))
             self._publish(failed)
-        self._send_plans()
+        due = self._send_plans()
         running = sum(len(w.running) for w in self.core.workers.values())
         metrics.REQUESTS_RUNNING.set(running)
         metrics.REQUESTS_WAITING.set(len(self.core.waiting))
@@ -202,8 +234,11 @@ class SchedulerServer:
             self._outbox.set(self.keys.waiting, self._published_waiting)
         if len(self._outbox):  # this tick's writes (failures, cancels' events, the waiting
             self._outbox.execute()  # count) must not wait for the next wake
-        # Sleep until a result or a wake-up (a new request or cancel) arrives; one result a
-        # tick: a second one queued behind it returns at once next tick.
+        if due is not None:
+            self._alarm.set(due)
+        # Sleep until a result or a wake-up (a new request or cancel, or the alarm of a held
+        # plan) arrives; one result a tick: a second one queued behind it returns at once next
+        # tick.
         item = self.redis.blpop([self.keys.results, self.keys.wakeups], timeout=WAIT_S)
         if item is not None and item[0] == self._results_key:
             self._on_result(decode(item[1]))
@@ -291,14 +326,28 @@ class SchedulerServer:
         # Plans queued for the dead process must not reach one restarted under the same id.
         self.redis.delete(self.keys.plans(wid))
 
-    def _send_plans(self) -> None:
+    def _send_plans(self) -> float | None:
+        """Send each worker that has work plans up to PLANS_AHEAD in flight (an idle worker gets
+        two at once, so that the second is queued before the first ends); one to go behind a
+        running iteration waits until `Scheduler.plan_due`. Returns the earliest time (monotonic
+        seconds) a held plan is due, or None."""
+        now, due = time.monotonic(), None
         for wid, w in self.core.workers.items():
-            if w.plans_in_flight < PLANS_AHEAD and self.core.has_work(wid):
-                t0 = time.perf_counter()
-                plan = self.core.schedule(wid)
-                metrics.SCHEDULING_SECONDS.observe(time.perf_counter() - t0)
-                self.redis.rpush(self.keys.plans(wid), encode(plan))
-                w.plans_in_flight += 1
+            while w.plans_in_flight < PLANS_AHEAD and self.core.has_work(wid):
+                if w.plans_in_flight and (at := self.core.plan_due(wid, now)) > now:
+                    due = at if due is None else min(due, at)
+                    break
+                self._send_plan(wid, w, now)
+        return due
+
+    def _send_plan(self, wid: str, w: WorkerState, now: float) -> None:
+        t0 = time.perf_counter()
+        plan = self.core.schedule(wid)
+        metrics.SCHEDULING_SECONDS.observe(time.perf_counter() - t0)
+        self.redis.rpush(self.keys.plans(wid), encode(plan))
+        if not w.plans_in_flight:  # an idle worker starts it at once
+            self.core.iteration_started(wid, now)
+        w.plans_in_flight += 1
 
     def _on_result(self, result: IterationResult) -> None:
         w = self.core.workers.get(result.worker_id)
@@ -315,6 +364,8 @@ class SchedulerServer:
             if out.finish_reason == "preempted":
                 metrics.PREEMPTIONS.inc()
         events = self.core.postprocess(result)
+        if w is not None and w.plans_in_flight:  # the plan queued behind this one starts now
+            self.core.iteration_started(result.worker_id, time.monotonic())
         now = time.time()
         for e in events:
             s = states.get(e.request_id)

@@ -194,6 +194,9 @@ class IterationResult(Message):
         num_prefill_tokens, num_decode_tokens: tokens computed this iteration.
         step_seconds: wall time of the iteration in seconds.
         num_requests: requests that ran in the iteration (the batch size).
+        num_pending_prefill_tokens: prompt tokens of running requests still to be computed after
+            the iteration (chunked prefill): the scheduler estimates the next iteration's length
+            from them.
     """
 
     TYPE: ClassVar[str] = "iteration_result"
@@ -205,6 +208,7 @@ class IterationResult(Message):
     num_decode_tokens: int = 0
     step_seconds: float = 0.0
     num_requests: int = 0
+    num_pending_prefill_tokens: int = 0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> IterationResult:
@@ -256,6 +260,7 @@ class WorkerInfo(Message):
         incarnation: random per process start; a worker restarted under the same id has a new
             one, so the scheduler knows the old process (and what it ran) is gone.
         heartbeat_at: when the worker wrote this, Unix seconds (0 where unknown).
+        max_num_batched_tokens: most tokens in one of its iterations (0 where unknown).
     """
 
     TYPE: ClassVar[str] = "worker_info"
@@ -270,6 +275,7 @@ class WorkerInfo(Message):
     draining: bool = False
     incarnation: str = ""
     heartbeat_at: float = 0.0
+    max_num_batched_tokens: int = 0
 
 
 @dataclass(frozen=True)

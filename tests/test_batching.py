@@ -77,6 +77,10 @@ def test_chunked_prefill_gives_the_same_tokens(fp32_model):
     # With a budget of 32 tokens the 301-token prompt needs at least 10 iterations.
     first = engine.step(IterationPlan(admit=[reqs[2]]))
     assert first.num_prefill_tokens == 32 and not first.outputs
+    assert first.num_pending_prefill_tokens == 301 - 32  # what the scheduler estimates from
+    second = engine.step(IterationPlan(admit=[reqs[1]]))
+    assert second.num_pending_prefill_tokens == 301 + 37 - 64
+    engine.release("r1")
     engine.release("r2")
     chunked = generate(engine, reqs)
     for r in reqs:

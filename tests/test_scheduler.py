@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections import deque
 from pathlib import Path
 
+import pytest
 import torch
 
 from scheduler.core import Scheduler
-from shoal.messages import RequestSubmission, WorkerInfo
+from shoal.messages import IterationResult, RequestSubmission, WorkerInfo
 from shoal.sampling_params import SamplingParams
 from tests.conftest import random_weights, tiny_config
 from worker.config import EngineConfig
@@ -291,3 +292,37 @@ def test_request_level_policy_holds_new_requests_until_the_batch_ends():
     assert [s.sub.request_id for s in sched.waiting] in ([], ["late"])
     _pump(sched, {"w0": w}, events)
     assert "late" in sched.workers["w0"].running or any(e.request_id == "late" for e in events)
+
+
+def _plan_due_scheduler(budget: int) -> Scheduler:
+    sched = Scheduler("reserve")
+    sched.update_worker(WorkerInfo("w", "m", 1000, 1000, BLOCK, 8, 256, 0,
+                                   max_num_batched_tokens=budget))
+    return sched
+
+
+def test_the_plan_behind_a_prefill_is_due_shortly_before_its_estimated_end():
+    """`plan_due` from the lowest recent seconds per token of prefill iterations, the prompt
+    tokens the running iteration computes (capped by the worker's budget) and its requests."""
+    sched = _plan_due_scheduler(budget=64)
+    sched.add_request(_sub("a", 40, 5, 1.0))
+    sched.place()
+    sched.schedule("w")
+    sched.iteration_started("w", now=100.0)
+    assert sched.plan_due("w", 100.0) == 100.0  # nothing measured yet: at once
+    for seconds in (0.4, 0.2, 0.3):  # 200 prompt tokens each: 2, 1 and 1.5 ms a token
+        sched.postprocess(IterationResult("w", 0, [], 1000, 200, 0, seconds))
+    sched.iteration_started("w", now=100.0)
+    # 40 prompt tokens + 1 request at 1 ms: 41 ms, due 10 ms (PLAN_LEAD_S) before the end.
+    assert sched.plan_due("w", 100.0) == pytest.approx(100.031)
+    # A prompt longer than the budget: the iteration computes 64 of its tokens.
+    sched.postprocess(IterationResult("w", 1, [], 1000, 200, 0, 0.2,
+                                      num_pending_prefill_tokens=5000))
+    sched.schedule("w")  # admits nothing
+    sched.iteration_started("w", now=200.0)
+    assert sched.plan_due("w", 200.0) == pytest.approx(200.0 + 0.065 * 0.8)  # a fifth early
+    # Decode only: the plan behind it goes at once.
+    sched.postprocess(IterationResult("w", 2, [], 1000, 0, 1, 0.02))
+    sched.schedule("w")
+    sched.iteration_started("w", now=300.0)
+    assert sched.plan_due("w", 300.0) == 300.0

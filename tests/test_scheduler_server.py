@@ -15,7 +15,15 @@ import scheduler.server as scheduler_server
 from gateway.app import CompletionRequest, Gateway
 from shoal.fleet import free_port, start_redis, stop_all
 from shoal.keys import Keys
-from shoal.messages import IterationPlan, WorkerInfo, decode, encode
+from shoal.messages import (
+    IterationPlan,
+    IterationResult,
+    RequestSubmission,
+    WorkerInfo,
+    decode,
+    encode,
+)
+from shoal.sampling_params import SamplingParams
 
 
 @pytest.fixture
@@ -78,3 +86,84 @@ def test_the_scheduler_sleeps_until_a_request_or_a_cancel_rings(redis_url, monke
         assert not loop.is_alive()
 
     asyncio.run(scenario())
+
+
+class _Fleet:
+    """A scheduler server in a thread, against a real redis-server, and one worker that the test
+    plays by hand (it pops plans and pushes results)."""
+
+    def __init__(self, redis_url: str, max_num_batched_tokens: int = 2048) -> None:
+        self.keys = Keys()
+        self.r = redis.Redis.from_url(redis_url, socket_timeout=60)
+        info = WorkerInfo("w-sim", "m", 1000, 1000, 16, 256, 8192, 0, False, "inc-1", time.time(),
+                          max_num_batched_tokens)
+        self.r.sadd(self.keys.workers, "w-sim")
+        self.r.hset(self.keys.worker("w-sim"), "info", encode(info))
+        self.r.set(self.keys.alive("w-sim"), b"1", px=600_000)
+        self.server = scheduler_server.SchedulerServer(redis_url, lease_ms=600_000)
+        self.loop = threading.Thread(target=self.server.run, args=(False,), daemon=True)
+        self.loop.start()
+        reset = self.next_plan()
+        assert reset.reset
+
+    def next_plan(self, timeout: float = 20) -> IterationPlan:
+        item = self.r.blpop([self.keys.plans("w-sim")], timeout=timeout)
+        assert item is not None, "no plan came"
+        plan = decode(item[1])
+        assert isinstance(plan, IterationPlan)
+        return plan
+
+    def answer(self, plan: IterationPlan, **figures) -> None:
+        self.r.rpush(self.keys.results, encode(IterationResult("w-sim", plan.iteration, [], 1000,
+                                                               **figures)))
+
+    def submit(self, request_id: str, prompt_len: int) -> None:
+        sub = RequestSubmission(request_id, "m", list(range(1, prompt_len + 1)),
+                                SamplingParams(max_tokens=4), time.time(), "reply")
+        self.r.xadd(self.keys.requests, {"m": encode(sub)})
+        self.r.rpush(self.keys.wakeups, b"1")
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.r.rpush(self.keys.wakeups, b"1")
+        self.loop.join(10)
+        assert not self.loop.is_alive()
+
+
+def test_an_idle_worker_gets_its_next_plan_queued_with_its_first(redis_url, monkeypatch):
+    """A worker that was idle gets two plans at once, the second queued behind the first, so its
+    engine never waits a round trip for the next one; with only one, nothing but a result or a
+    wake-up sent the second, and a lone request waited a round trip every iteration (1.3 ms
+    between 13 ms iterations, measured on two cores)."""
+    monkeypatch.setattr(scheduler_server, "WAIT_S", 600.0)
+    fleet = _Fleet(redis_url)
+    try:
+        fleet.answer(IterationPlan(iteration=0))  # the reset ran: idle
+        time.sleep(0.3)  # the scheduler took the result and is asleep again
+        fleet.submit("a", 20)  # its wake-up is the only one
+        first, second = fleet.next_plan(), fleet.next_plan(timeout=5)
+        assert [a.request_id for a in first.admit] == ["a"]
+        assert second.admit == [] and second.iteration == first.iteration + 1
+    finally:
+        fleet.stop()
+
+
+def test_requests_arriving_during_a_long_prefill_join_the_next_iteration(redis_url, monkeypatch):
+    """The plan queued behind a long prefill iteration is made shortly before the iteration's
+    estimated end (scheduler/core.py), so requests arriving meanwhile join the next iteration
+    instead of the one after it."""
+    monkeypatch.setattr(scheduler_server, "WAIT_S", 600.0)
+    fleet = _Fleet(redis_url, max_num_batched_tokens=4096)
+    try:
+        # The reset's result teaches the scheduler 1 ms per prompt token.
+        fleet.answer(IterationPlan(iteration=0), num_prefill_tokens=1000, step_seconds=1.0)
+        fleet.submit("a", 600)  # about 0.6 s of prefill: the plan behind it is due after 0.48 s
+        first = fleet.next_plan()
+        assert [a.request_id for a in first.admit] == ["a"]
+        fleet.submit("b", 10)
+        time.sleep(0.1)
+        fleet.submit("c", 10)
+        second = fleet.next_plan()
+        assert [a.request_id for a in second.admit] == ["b", "c"]
+    finally:
+        fleet.stop()

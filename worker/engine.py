@@ -274,6 +274,8 @@ class Engine:
             num_free_blocks=self.num_free_blocks, num_prefill_tokens=num_prefill,
             num_decode_tokens=num_decode, step_seconds=time.perf_counter() - t0,
             num_requests=len(decodes) + len(prefills),
+            num_pending_prefill_tokens=sum(s.num_uncomputed_tokens for s in self.running.values()
+                                           if s.num_uncomputed_tokens > 1),
         )
 
     def _schedule(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:

@@ -62,7 +62,8 @@ class WorkerServer:
         e = self.engine
         return WorkerInfo(self.worker_id, self.model, e.num_total_blocks, e.num_free_blocks,
                           e.block_size, e.cfg.max_num_seqs, e.max_model_len, len(e.running),
-                          self._draining.is_set(), self.incarnation, time.time())
+                          self._draining.is_set(), self.incarnation, time.time(),
+                          e.cfg.max_num_batched_tokens)
 
     def _heartbeat(self, r: redis.Redis) -> None:
         info = encode(self.info())
@@ -197,7 +198,8 @@ class WorkerServer:
                                   self.engine.num_total_blocks)
         return IterationResult(self.worker_id, result.iteration, handed_back + result.outputs,
                                self.engine.num_free_blocks, result.num_prefill_tokens,
-                               result.num_decode_tokens, result.step_seconds, result.num_requests)
+                               result.num_decode_tokens, result.step_seconds, result.num_requests,
+                               result.num_pending_prefill_tokens)
 
 
 def default_worker_id() -> str:
