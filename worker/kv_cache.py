@@ -12,6 +12,7 @@ what the scheduler places requests by.
 
 from __future__ import annotations
 
+import heapq
 import os
 
 import torch
@@ -27,14 +28,21 @@ class KVCacheFullError(RuntimeError):
 class BlockAllocator:
     """Hands out block ids `0 .. num_blocks - 1`; each is free or owned by exactly one request.
 
-    Freed blocks are reused last-in first-out, so a hot block is reused while it is still in cache.
+    The lowest free ids go first (a min-heap), so the blocks a prefill takes together come out
+    ascending and, where the free space allows, adjacent, and the blocks in use stay packed at the
+    bottom of the pools. Reusing the last freed block first (LIFO) handed a new request the blocks
+    of earlier ones in the order those had finished, scattered over everything used before: decode
+    attention, which reads each request's blocks in turn, then ran 17% slower (batch 48, 180-token
+    contexts, 2-core Xeon: 384 us a layer with each request's blocks adjacent, 448 scattered over
+    the blocks in use, 635 over the whole pool), and W64 repeated on one engine (a worker's life)
+    went from 730-742 to 801-813 tokens/s (medians of 7 runs after the first, A/B in turns).
     """
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"a K/V cache needs at least one block, got {num_blocks}")
         self.num_total_blocks = num_blocks
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._free: list[int] = list(range(num_blocks))  # a heap: sorted is one
         self._is_free = [True] * num_blocks
 
     @property
@@ -49,7 +57,7 @@ class BlockAllocator:
         """
         if n > len(self._free):
             raise KVCacheFullError(f"need {n} K/V blocks, {len(self._free)} free")
-        blocks = [self._free.pop() for _ in range(n)]
+        blocks = [heapq.heappop(self._free) for _ in range(n)]
         for b in blocks:
             self._is_free[b] = False
         return blocks
@@ -64,7 +72,7 @@ class BlockAllocator:
             if self._is_free[b]:
                 raise ValueError(f"K/V block {b} freed twice")
             self._is_free[b] = True
-            self._free.append(b)
+            heapq.heappush(self._free, b)
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
