@@ -221,6 +221,20 @@ template <typename T> inline void prefetch(const T* p, int64_t n) {
   for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off, 0, 1);
 }
 
+// Share i of `total` cut into `parts` near-equal shares (they add up to `total`).
+inline int64_t share(int64_t total, int64_t parts, int64_t i) {
+  return (i + 1) * total / parts - i * total / parts;
+}
+
+// One of `steps` steps of a prefetch spread over a loop, so that its requests keep pace with the
+// compute rather than all leaving at once: asks for this step's share of `lines` 64-byte lines
+// from `pf` on and moves `pf` past them; `due` carries the fractions (in 1 / steps lines) from
+// step to step and starts at 0. Locality as __builtin_prefetch's: 3 into L1, 2 into L2.
+template <int Locality>
+inline void prefetch_step(const char*& pf, int64_t& due, int64_t lines, int64_t steps) {
+  for (due += lines; due >= steps; due -= steps, pf += 64) __builtin_prefetch(pf, 0, Locality);
+}
+
 // Decode attention asks for a request's K blocks this many blocks before it scores them.
 constexpr int64_t kPrefetchBlocks = 4;
 
@@ -1446,12 +1460,12 @@ inline void amx_pair(const uint16_t* x, const uint16_t* w0, const uint16_t* w1, 
   _tile_zero(2);
   if (MB > 1) { _tile_zero(1); _tile_zero(3); }
   const int64_t kt = k / 32;
-  int64_t due = 0;  // pf_lines per step, in units of 1 / kt line
+  int64_t due = 0;
   for (int64_t j = 0; j < kt; ++j) {
     _tile_loadd(6, w0 + j * 512, 64);
     _tile_loadd(7, w1 + j * 512, 64);
     _tile_loadd(4, x + j * 32, k * 2);
-    for (due += pf_lines; due >= kt; due -= kt, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+    prefetch_step<2>(pf, due, pf_lines, kt);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(2, 4, 7);
     if (MB > 1) {
@@ -1498,8 +1512,7 @@ void amx_linear_blocks(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
       const char* pf = m > 16 && nb + 2 < end ? reinterpret_cast<const char*>(w0 + pair) : nullptr;
       int64_t t = 0;
       for (int64_t r = m0; r < m1; r += 32, ++t) {
-        // Row tile t asks for lines [t * pair_lines / tiles, (t + 1) * pair_lines / tiles).
-        const int64_t lines = pf ? (t + 1) * pair_lines / tiles - t * pair_lines / tiles : 0;
+        const int64_t lines = pf ? share(pair_lines, tiles, t) : 0;
         if (m - r > 16)
           amx_pair<2>(x + r * k, w0, w0 + kt * 512, y + r * n, m - r, k, n, nb, c, pf, lines);
         else
@@ -1593,12 +1606,12 @@ inline void dp_linear_tile(const uint16_t* x, const uint16_t* w, int64_t k, int6
     for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   const int64_t kp = k / 2;
   const uint16_t* xr = x + r * k;
-  int64_t due = 0;  // pf_lines per pair, in units of 1 / kp line
+  int64_t due = 0;
   for (int64_t p = 0; p < kp; ++p) {
     __m512bh wv[NR];
     for (int64_t j = 0; j < NR; ++j)
       wv[j] = (__m512bh)_mm512_loadu_si512(w + ((nb + j) * kp + p) * 32);
-    for (due += pf_lines; due >= kp; due -= kp, pf += 64) _mm_prefetch(pf, _MM_HINT_T0);
+    prefetch_step<3>(pf, due, pf_lines, kp);
     for (int64_t i = 0; i < MR; ++i) {
       const __m512bh xp = broadcast_pair(xr + i * k + 2 * p);
       for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xp, wv[j]);
@@ -1636,7 +1649,7 @@ void dp_linear_rows(const uint16_t* x, const uint16_t* w, int64_t k, int64_t r0,
   const int64_t lines = next != nullptr ? NR * k / 2 : 0;  // 64 bytes per pair of a block
   const char* pf = reinterpret_cast<const char*>(next);
   // Row tile t asks for lines [t * lines / spread, (t + 1) * lines / spread).
-  auto slice = [&](int64_t t) { return t < spread ? (t + 1) * lines / spread - t * lines / spread : 0; };
+  auto slice = [&](int64_t t) { return t < spread ? share(lines, spread, t) : 0; };
   int64_t r = r0, t = 0;
   for (; r + MR <= r1; r += MR, ++t) {
     dp_linear_tile<MR, NR>(x, w, k, r, nb, pf, slice(t), store);
