@@ -366,10 +366,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                             _numbers(args.requests, int, "--requests"), args.max_plans, args.output)
         return 0
     from shoal.model_files import resolve_model_path
+    from shoal.process import keep_freed_memory
 
     cfg = _engine_config(args)
     path = resolve_model_path(args.model)
     _set_threads(args)
+    keep_freed_memory()  # as a worker runs (see _cmd_worker)
     import time
 
     from worker.bench import run_engine_bench
@@ -389,11 +391,13 @@ def _setup_logging() -> None:
 
 def _cmd_worker(args: argparse.Namespace) -> int:
     from shoal.model_files import resolve_model_path
+    from shoal.process import keep_freed_memory
 
     cfg = _engine_config(args)
     path = resolve_model_path(args.model)
     _set_threads(args)
     _setup_logging()
+    keep_freed_memory()
     from worker.server import WorkerServer, WorkerSettings, default_worker_id, wait_for_redis
 
     try:

@@ -169,9 +169,11 @@ def follower_main(rank: int, world_size: int, init_method: str, path: str, cfg: 
                   threads: int) -> None:
     """A follower rank's process: load its shard, size its K/V pools like rank 0, then run every
     call rank 0 broadcasts until told to stop."""
+    from shoal.process import keep_freed_memory
     from worker.engine import Engine
 
     torch.set_num_threads(threads)
+    keep_freed_memory()  # as rank 0's process does
     cfg = rank_config(cfg, rank)
     tp = init_group(rank, world_size, init_method, cfg.device or "cpu")
     model_cfg, weights = load_shard(Path(path), cfg.dtype, tp)
