@@ -71,3 +71,24 @@ def test_incompatible_messages_are_refused(change, needle):
         decode(msgpack.packb(env))
     with pytest.raises(ProtocolError, match="malformed"):
         decode(b"\xc1 not msgpack")
+
+
+def test_scalar_fields_at_their_defaults_stay_off_the_wire_and_come_back():
+    quiet = TokenEvent("a", 3, [17])
+    final = TokenEvent("a", 4, [], finish_reason="length", prompt_tokens=5, completion_tokens=2)
+    env = _envelope(encode(TokenEvents([quiet, final])))
+    sent = env["m"]["events"]
+    assert sent[0] == {"request_id": "a", "index": 3, "token_ids": [17], "logprobs": []}
+    assert sent[1]["finish_reason"] == "length" and sent[1]["completion_tokens"] == 2
+    assert "error" not in sent[1] and "error_status" not in sent[1]
+    assert decode(msgpack.packb(env)) == TokenEvents([quiet, final])
+    # Lists go out even when empty: older readers index some of them directly.
+    assert _envelope(encode(IterationPlan(iteration=3)))["m"]["admit"] == []
+
+
+def test_a_map_with_every_field_still_decodes():
+    """What builds before the sparse maps sent (and `to_dict` still returns)."""
+    plan = _plan()
+    env = _envelope(encode(plan))
+    env["m"] = plan.to_dict()
+    assert decode(msgpack.packb(env)) == plan
