@@ -49,9 +49,9 @@ class Message:
         """The map `encode` sends: `to_dict` without the scalar fields that equal their default
         (a token event's finish reason, error and usage until its last one). Readers of every
         build fill those in from the same defaults; list fields are always sent, since readers
-        index some of them directly. Per iteration of 64 requests this halves the bytes of the
-        result and the token events, and the three processes handling them spend 300 us less
-        packing and unpacking (550 us before)."""
+        index some of them directly. A decode iteration of 64 requests: the result 5,181 ->
+        3,149 bytes, the token events 8,288 -> 3,808, and packing plus unpacking both across the
+        three processes that handle them 551 -> 349 us."""
         out = {}
         for name, default in _wire_fields(type(self)):
             v = getattr(self, name)
