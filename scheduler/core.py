@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shoal.messages import (
     IterationPlan,
@@ -287,8 +287,7 @@ class Scheduler:
             best.running.add(s.sub.request_id)
             if self.policy == "ondemand":
                 # Count the promise against the advertised blocks until the next result.
-                best.info = WorkerInfo(**{**best.info.to_dict(),
-                                          "num_free_blocks": best.info.num_free_blocks - need})
+                best.info = replace(best.info, num_free_blocks=best.info.num_free_blocks - need)
             best.to_admit.append(s)
             placed.append(s)
         return placed
@@ -340,7 +339,7 @@ class Scheduler:
         """Record a worker's iteration; return the token events to publish."""
         w = self.workers.get(result.worker_id)
         if w is not None:
-            w.info = WorkerInfo(**{**w.info.to_dict(), "num_free_blocks": result.num_free_blocks})
+            w.info = replace(w.info, num_free_blocks=result.num_free_blocks)
             w.pending_prompt_tokens = result.num_pending_prefill_tokens
         if result.num_prefill_tokens >= LEARN_MIN_PREFILL_TOKENS:
             self._seconds_per_token.append(

@@ -19,6 +19,7 @@ writes. A request's stream entry is acknowledged (XACK) only when it has finishe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -326,7 +327,7 @@ class SchedulerServer:
                     self._lose_worker(wid)
                     known = None
                 if known is not None:  # keep the fresher free-block count from results
-                    info = WorkerInfo(**{**info.to_dict(), "num_free_blocks": known.info.num_free_blocks})
+                    info = dataclasses.replace(info, num_free_blocks=known.info.num_free_blocks)
                 self.core.update_worker(info)
                 seen.add(wid)
         metrics.WORKERS_ALIVE.set(len(seen))

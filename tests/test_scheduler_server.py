@@ -19,6 +19,7 @@ from shoal.messages import (
     IterationPlan,
     IterationResult,
     RequestSubmission,
+    TokenOutput,
     WorkerInfo,
     decode,
     encode,
@@ -113,13 +114,13 @@ class _Fleet:
         assert isinstance(plan, IterationPlan)
         return plan
 
-    def answer(self, plan: IterationPlan, **figures) -> None:
-        self.r.rpush(self.keys.results, encode(IterationResult("w-sim", plan.iteration, [], 1000,
-                                                               **figures)))
+    def answer(self, plan: IterationPlan, outputs: list[TokenOutput] = (), **figures) -> None:
+        self.r.rpush(self.keys.results, encode(IterationResult("w-sim", plan.iteration,
+                                                               list(outputs), 1000, **figures)))
 
-    def submit(self, request_id: str, prompt_len: int) -> None:
+    def submit(self, request_id: str, prompt_len: int, max_tokens: int = 4) -> None:
         sub = RequestSubmission(request_id, "m", list(range(1, prompt_len + 1)),
-                                SamplingParams(max_tokens=4), time.time(), "reply")
+                                SamplingParams(max_tokens=max_tokens), time.time(), "reply")
         self.r.xadd(self.keys.requests, {"m": encode(sub)})
         self.r.rpush(self.keys.wakeups, b"1")
 
@@ -165,5 +166,34 @@ def test_requests_arriving_during_a_long_prefill_join_the_next_iteration(redis_u
         fleet.submit("c", 10)
         second = fleet.next_plan()
         assert [a.request_id for a in second.admit] == ["b", "c"]
+    finally:
+        fleet.stop()
+
+
+def test_a_decode_iteration_costs_the_scheduler_one_round_trip(redis_url, monkeypatch):
+    """With no request or cancel ringing, the scheduler reads neither the request stream nor the
+    cancels: each iteration's result comes back in the pipeline that sent the tick's plan and
+    writes, and the request's tokens go to its progress list in one EVAL."""
+    monkeypatch.setattr(scheduler_server, "WAIT_S", 600.0)
+    fleet = _Fleet(redis_url)
+
+    def calls(command: str) -> int:
+        return int(fleet.r.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+
+    try:
+        fleet.answer(IterationPlan(iteration=0))
+        fleet.submit("a", 20, max_tokens=64)
+        queued = [fleet.next_plan(), fleet.next_plan(timeout=5)]  # an idle worker gets two
+        assert [a.request_id for a in queued[0].admit] == ["a"]
+        before = {c: calls(c) for c in ("xreadgroup", "lpop", "eval", "blpop")}
+        for index in range(8):
+            fleet.answer(queued.pop(0), [TokenOutput("a", 100 + index, index)],
+                         num_decode_tokens=1, num_requests=1)
+            queued.append(fleet.next_plan())
+        assert calls("xreadgroup") - before["xreadgroup"] <= 1  # 8 when every tick read them
+        assert calls("lpop") - before["lpop"] <= 1
+        assert calls("eval") - before["eval"] == 8
+        assert fleet.r.lrange(fleet.keys.progress("a"), 0, -1) == [
+            str(100 + i).encode() for i in range(8)]
     finally:
         fleet.stop()
