@@ -344,6 +344,39 @@ def test_w8a8_linear_quantizes_activations_of_large_iterations_only():
         assert amx.amx and not amx.uses_w8a8(4096)
 
 
+@pytest.mark.skipif(not ops.vnni_linear_available() or ops.amx_available(),
+                    reason="the kernels were built without AVX512_BF16 and VNNI, or AMX serves")
+@pytest.mark.parametrize("out_features,in_features,swiglu", [(96, 128, True), (960, 576, False),
+                                                             (64, 1536, False)])
+def test_vnni_linear_gives_the_values_of_int_mm_and_dequantize_rows(out_features, in_features,
+                                                                    swiglu):
+    """W8A8's fused kernel (shoal::vnni_linear) against torch._int_mm and dequantize_rows on the
+    same int8 operands: the same int32 sums, so the same bfloat16 outputs, bar SwiGLU's product
+    (a reciprocal where dequantize_rows divides) one unit in the last place on a few elements.
+    Rows cover tile tails and several passes over the weights."""
+    g = torch.Generator().manual_seed(24)
+    w = (torch.randn(out_features, in_features, generator=g) * 0.05).to(torch.bfloat16)
+    lin = Linear(w, "w8a8", quantize_activations=True, kernels=True, swiglu=swiglu)
+    assert lin.vnni_w8a8 is not None
+    for rows in (16, 37, 300, 1100):
+        x = (torch.randn(rows, in_features, generator=g) * 3).to(torch.bfloat16)
+        q, row_scale = ops.quantize_rows(x, kernels=True)
+        acc = torch._int_mm(q, lin.w8a8[0])
+        for silu in (False, True) if swiglu else (False,):
+            ref = ops.dequantize_rows(acc, row_scale, lin.w8a8[1], silu, torch.bfloat16, True)
+            out = lin._w8a8(x, silu)
+            assert out.shape == ref.shape and out.dtype == torch.bfloat16
+            if not silu:
+                assert torch.equal(out, ref)
+            else:
+                ulps = (out.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
+                assert ulps.max() <= 1 and (ulps > 0).float().mean() < 1e-3
+    packed, _, col_sum = lin.vnni_w8a8  # the packed copy is what serves: zero weights, zero out
+    packed.zero_()
+    col_sum.zero_()
+    assert lin._w8a8(x, False).abs().max() == 0
+
+
 @pytest.mark.skipif(not ops.int8_gemv_available(), reason="the kernels were built without VNNI")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 4, 6])

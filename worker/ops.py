@@ -84,6 +84,12 @@ def dp_linear_available() -> bool:
     return cpu_ops.load() and hasattr(torch.ops.shoal, "dp_linear")
 
 
+def vnni_linear_available() -> bool:
+    """True when the C++ kernels were built with AVX512_BF16 and AVX-512 VNNI: `shoal::vnni_linear`,
+    W8A8's int8 matmul with its dequantization (worker/linear.py)."""
+    return cpu_ops.load() and hasattr(torch.ops.shoal, "vnni_linear")
+
+
 def amx_available() -> bool:
     """True when the C++ kernels were built for AMX (bfloat16 tiles) and Linux lets this process
     use them: `shoal::amx_linear` (worker/linear.py) and the prefill attention's tile path."""

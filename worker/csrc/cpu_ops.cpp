@@ -1554,16 +1554,46 @@ Tensor amx_linear(const Tensor& x_in, const Tensor& packed) {
 
 #ifdef SHOAL_BF16_PAIRS
 
-// y = x W^T with AVX512_BF16 dot products, for CPUs without AMX, against W packed by
-// pack_weight_pairs: `[N / 16][K / 2][16][2]`, so one 64-byte vector holds a pair of input
-// channels for 16 output channels, and `vdpbf16ps` with a broadcast pair of x adds 32 products.
-// A tile is MR rows x NR blocks of accumulators; each weight vector loaded serves MR rows, and
-// the weights stream from memory about once per pass of rows, as in a GEMV.
+// y = x W^T with dot products on 4-byte groups of the reduced dimension, for CPUs without AMX:
+// `vdpbf16ps` on pairs of bfloat16 (dp_linear) and `vpdpbusd` on quads of int8 (vnni_linear,
+// W8A8). The weights are packed `[N / 16][K / group][16][group]`, so one 64-byte vector holds a
+// group of input channels for 16 output channels; a 4-byte group of x broadcast to all lanes
+// against it adds 32 (bfloat16) or 64 (int8) products. A tile is MR rows x NR blocks of
+// accumulators; each weight vector loaded serves MR rows, and the weights stream from memory
+// about once per pass of rows, as in a GEMV. Pointers are bytes and a "step" is one 4-byte group
+// of every row (K / 2 for bfloat16, K / 4 for int8), so the loop, the prefetch and the work split
+// below serve both.
 constexpr int64_t kDpRows = 8, kDpBlocks = 3;
 constexpr int64_t kDpSiluRows = 6, kDpSiluBlocks = 4;
 
-// The output of a dp_linear tile: MR rows x NR blocks of float32 accumulators, rows from r and
-// blocks from nb. DpStore rounds them to bfloat16 in y `[M, N]`.
+// The arithmetic of a tile: bfloat16 pairs into float32 accumulators. `Vec` is the operands'
+// vector type, the one the instruction's builtin takes: through any other (a cast per use) GCC
+// kept the accumulators of an 8 x 3 tile in memory and the loop ran at 40% of the peak.
+struct Bf16Pairs {
+  using Acc = __m512;
+  using Vec = __m512bh;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Vec load(const char* w) { return (Vec)_mm512_loadu_si512(w); }
+  static Vec group(const char* x) { return (Vec)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x)); }
+  static Acc add(Acc acc, Vec x, Vec w) { return _mm512_dpbf16_ps(acc, x, w); }
+};
+
+#if defined(__AVX512VNNI__)
+// Quads of unsigned x bytes against signed weight bytes into int32 accumulators (vpdpbusd).
+// W8A8's activations are signed; vnni_linear takes them offset by 128 (their top bit flipped),
+// and its store subtracts 128 times each output channel's weight sum: exact in int32.
+struct Uint8Quads {
+  using Acc = __v16si;
+  using Vec = __v16si;
+  static Acc zero() { return (Acc)_mm512_setzero_si512(); }
+  static Vec load(const char* w) { return (Vec)_mm512_loadu_si512(w); }
+  static Vec group(const char* x) { return (Vec)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x)); }
+  static Acc add(Acc acc, Vec x, Vec w) { return __builtin_ia32_vpdpbusd_v16si(acc, x, w); }
+};
+#endif
+
+// The output of a tile: MR rows x NR blocks of float32 accumulators, rows from r and blocks from
+// nb. DpStore rounds them to bfloat16 in y `[M, N]`.
 struct DpStore {
   uint16_t* y;
   int64_t n;  // width of y
@@ -1595,38 +1625,60 @@ struct DpSiluStore {
   }
 };
 
-// MR rows from r of x against blocks [nb, nb + NR) of the weights. While the k loop runs it
+// int32 accumulators of vnni_linear back to float32 for `Inner` (DpStore or DpSiluStore):
+// (acc - 128 * col_sum) * (row_scale * col_scale), in the order dequantize_rows multiplies, so
+// the two W8A8 paths give the same values.
+template <class Inner>
+struct DequantStore {
+  const float* row_scale;  // [M]
+  const float* col_scale;  // [N]
+  const int32_t* col_sum;  // [N]
+  Inner inner;
+  template <int64_t MR, int64_t NR>
+  void operator()(const __v16si (&acc)[MR][NR], int64_t r, int64_t nb) const {
+    __m512 f[MR][NR];
+    for (int64_t j = 0; j < NR; ++j) {
+      const __m512 cs = _mm512_loadu_ps(col_scale + (nb + j) * 16);
+      const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(col_sum + (nb + j) * 16), 7);
+      for (int64_t i = 0; i < MR; ++i)
+        f[i][j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32((__m512i)acc[i][j], offset)),
+                                _mm512_mul_ps(_mm512_set1_ps(row_scale[r + i]), cs));
+    }
+    inner(f, r, nb);
+  }
+};
+
+// MR rows from r of x against blocks [nb, nb + NR) of the weights. While the step loop runs it
 // also asks for `pf_lines` 64-byte lines from `pf` (a slice of the next tile's weights) into L1,
-// one every kp / pf_lines pairs, so the requests spread over the tile's compute.
-template <int64_t MR, int64_t NR, class Store>
-inline void dp_linear_tile(const uint16_t* x, const uint16_t* w, int64_t k, int64_t r, int64_t nb,
+// one every steps / pf_lines steps, so the requests spread over the tile's compute.
+template <class Op, int64_t MR, int64_t NR, class Store>
+inline void dp_linear_tile(const char* x, const char* w, int64_t row_bytes, int64_t r, int64_t nb,
                            const char* pf, int64_t pf_lines, const Store& store) {
-  __m512 acc[MR][NR];
+  typename Op::Acc acc[MR][NR];
   for (int64_t i = 0; i < MR; ++i)
-    for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  const int64_t kp = k / 2;
-  const uint16_t* xr = x + r * k;
+    for (int64_t j = 0; j < NR; ++j) acc[i][j] = Op::zero();
+  const int64_t steps = row_bytes / 4;
+  const char* xr = x + r * row_bytes;
   int64_t due = 0;
-  for (int64_t p = 0; p < kp; ++p) {
-    __m512bh wv[NR];
-    for (int64_t j = 0; j < NR; ++j)
-      wv[j] = (__m512bh)_mm512_loadu_si512(w + ((nb + j) * kp + p) * 32);
-    prefetch_step<3>(pf, due, pf_lines, kp);
+  for (int64_t p = 0; p < steps; ++p) {
+    typename Op::Vec wv[NR];
+    for (int64_t j = 0; j < NR; ++j) wv[j] = Op::load(w + ((nb + j) * steps + p) * 64);
+    prefetch_step<3>(pf, due, pf_lines, steps);
     for (int64_t i = 0; i < MR; ++i) {
-      const __m512bh xp = broadcast_pair(xr + i * k + 2 * p);
-      for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xp, wv[j]);
+      const typename Op::Vec xg = Op::group(xr + i * row_bytes + 4 * p);
+      for (int64_t j = 0; j < NR; ++j) acc[i][j] = Op::add(acc[i][j], xg, wv[j]);
     }
   }
   store(acc, r, nb);
 }
 
 // The last `rem` (< MR) rows of a pass: a tile of exactly that many rows.
-template <int64_t MR, int64_t NR, class Store>
-inline void dp_linear_tail(int64_t rem, const uint16_t* x, const uint16_t* w, int64_t k, int64_t r,
+template <class Op, int64_t MR, int64_t NR, class Store>
+inline void dp_linear_tail(int64_t rem, const char* x, const char* w, int64_t row_bytes, int64_t r,
                            int64_t nb, const char* pf, int64_t pf_lines, const Store& store) {
   if constexpr (MR > 0) {
-    if (rem == MR) dp_linear_tile<MR, NR>(x, w, k, r, nb, pf, pf_lines, store);
-    else dp_linear_tail<MR - 1, NR>(rem, x, w, k, r, nb, pf, pf_lines, store);
+    if (rem == MR) dp_linear_tile<Op, MR, NR>(x, w, row_bytes, r, nb, pf, pf_lines, store);
+    else dp_linear_tail<Op, MR - 1, NR>(rem, x, w, row_bytes, r, nb, pf, pf_lines, store);
   }
 }
 
@@ -1637,25 +1689,25 @@ inline void dp_linear_tail(int64_t rem, const uint16_t* x, const uint16_t* w, in
 // noise; into L1 (prefetcht0) 2-5% ahead of L2.
 constexpr int64_t kDpPrefetchSpread = 8;
 
-// Rows [r0, r1) of x against blocks [nb, nb + NR): kDpRows rows at a time, the weights (NR x K,
-// 55 KB for K = 576 and NR = 3) staying in L1/L2 while the rows pass. Meanwhile the next tile's
-// weights (`next`, or none) are prefetched, spread over the first kDpPrefetchSpread row tiles
-// (the hardware prefetcher alone left 64-row iterations 10% slower).
-template <int64_t MR, int64_t NR, class Store>
-void dp_linear_rows(const uint16_t* x, const uint16_t* w, int64_t k, int64_t r0, int64_t r1,
-                    int64_t nb, const uint16_t* next, const Store& store) {
+// Rows [r0, r1) of x against blocks [nb, nb + NR): MR rows at a time, the weights (NR x 16 x
+// row_bytes, 55 KB for bfloat16, K = 576 and NR = 3) staying in L1/L2 while the rows pass.
+// Meanwhile the next tile's weights (`next`, or none) are prefetched, spread over the first
+// kDpPrefetchSpread row tiles (the hardware prefetcher alone left 64-row iterations 10% slower).
+template <class Op, int64_t MR, int64_t NR, class Store>
+void dp_linear_rows(const char* x, const char* w, int64_t row_bytes, int64_t r0, int64_t r1,
+                    int64_t nb, const char* next, const Store& store) {
   const int64_t tiles = (r1 - r0 + MR - 1) / MR;
   const int64_t spread = std::min(tiles, kDpPrefetchSpread);
-  const int64_t lines = next != nullptr ? NR * k / 2 : 0;  // 64 bytes per pair of a block
-  const char* pf = reinterpret_cast<const char*>(next);
+  const int64_t lines = next != nullptr ? NR * row_bytes / 4 : 0;  // 64 bytes per step of a block
+  const char* pf = next;
   // Row tile t asks for lines [t * lines / spread, (t + 1) * lines / spread).
   auto slice = [&](int64_t t) { return t < spread ? share(lines, spread, t) : 0; };
   int64_t r = r0, t = 0;
   for (; r + MR <= r1; r += MR, ++t) {
-    dp_linear_tile<MR, NR>(x, w, k, r, nb, pf, slice(t), store);
+    dp_linear_tile<Op, MR, NR>(x, w, row_bytes, r, nb, pf, slice(t), store);
     pf += 64 * slice(t);
   }
-  dp_linear_tail<MR - 1, NR>(r1 - r, x, w, k, r, nb, pf, slice(t), store);
+  dp_linear_tail<Op, MR - 1, NR>(r1 - r, x, w, row_bytes, r, nb, pf, slice(t), store);
 }
 
 // Bytes of x per pass over the weights: those rows stay in L2 (1 MB on Zen 5) while the
@@ -1664,7 +1716,8 @@ constexpr int64_t kDpRowBytes = 256 << 10;
 // Work items per thread in each pass (see dp_linear_run).
 constexpr int64_t kDpItemsPerThread = 4;
 
-// y = x W^T over `blocks` 16-channel output blocks, NR blocks to a tile, written by `store`.
+// y = x W^T over `blocks` 16-channel output blocks, NR blocks to a tile, written by `store`;
+// x is `m` rows of `row_bytes`, and a block of the weights 16 x row_bytes.
 // The work is cut into items (a pass of rows x a group of tiles) that the threads take one at a
 // time: on a machine whose cores the gateway, the scheduler and Redis also need, the thread that
 // another process preempts holds back only its current items, where an even split up front made
@@ -1674,11 +1727,12 @@ constexpr int64_t kDpItemsPerThread = 4;
 // tiles otherwise began with a cold read from DRAM (A/B in one process, SmolLM2's 120
 // projections, 2-core Zen 5: 16 rows 5.87 -> 4.97 ms, 32 rows 8.98 -> 7.72, 64 rows 15.4 -> 14.2,
 // 128 rows 29.1 -> 27.9; as fast as contiguous halves per thread).
-template <int64_t MR, int64_t NR, class Store>
-void dp_linear_run(const uint16_t* x, const uint16_t* w, int64_t m, int64_t k, int64_t blocks,
+template <class Op, int64_t MR, int64_t NR, class Store>
+void dp_linear_run(const char* x, const char* w, int64_t m, int64_t row_bytes, int64_t blocks,
                    const Store& store) {
   const int64_t threads = at::get_num_threads();
-  const int64_t rows = std::max<int64_t>(MR, kDpRowBytes / (2 * k) / MR * MR);
+  const int64_t block_bytes = 16 * row_bytes;
+  const int64_t rows = std::max<int64_t>(MR, kDpRowBytes / row_bytes / MR * MR);
   const int64_t passes = (m + rows - 1) / rows;
   const int64_t tiles = (blocks + NR - 1) / NR;
   const int64_t per_group = std::max<int64_t>(1, tiles / (threads * kDpItemsPerThread));
@@ -1686,20 +1740,20 @@ void dp_linear_run(const uint16_t* x, const uint16_t* w, int64_t m, int64_t k, i
   const int64_t items = passes * groups;
   auto first_block = [&](int64_t item) { return item % groups * per_group * NR; };
   // Item `item`; `after` is the weights of the item this thread runs next (or null).
-  auto run = [&](int64_t item, const uint16_t* after) {
+  auto run = [&](int64_t item, const char* after) {
     const int64_t r0 = item / groups * rows, r1 = std::min(m, r0 + rows);
     const int64_t b0 = first_block(item), b1 = std::min(blocks, b0 + per_group * NR);
     int64_t nb = b0;
     for (; nb + NR <= b1; nb += NR)
-      dp_linear_rows<MR, NR>(x, w, k, r0, r1, nb, nb + NR < b1 ? w + (nb + NR) * k * 16 : after,
-                             store);
+      dp_linear_rows<Op, MR, NR>(x, w, row_bytes, r0, r1, nb,
+                                 nb + NR < b1 ? w + (nb + NR) * block_bytes : after, store);
     // The last blocks when NR does not divide them. N is a multiple of 32, so the blocks are
     // even: with an even NR (gate/up pairs) the rest is 2 blocks, never 1.
     if constexpr (NR > 2) {
-      if (b1 - nb == 2) dp_linear_rows<MR, 2>(x, w, k, r0, r1, nb, nullptr, store);
+      if (b1 - nb == 2) dp_linear_rows<Op, MR, 2>(x, w, row_bytes, r0, r1, nb, nullptr, store);
     }
     if constexpr (NR % 2 == 1) {
-      if (b1 - nb == 1) dp_linear_rows<MR, 1>(x, w, k, r0, r1, nb, nullptr, store);
+      if (b1 - nb == 1) dp_linear_rows<Op, MR, 1>(x, w, row_bytes, r0, r1, nb, nullptr, store);
     }
   };
   std::atomic<int64_t> claimed{0};
@@ -1707,11 +1761,13 @@ void dp_linear_run(const uint16_t* x, const uint16_t* w, int64_t m, int64_t k, i
   {
     for (int64_t item = claimed.fetch_add(1); item < items;) {
       const int64_t next = claimed.fetch_add(1);
-      run(item, next < items ? w + first_block(next) * k * 16 : nullptr);
+      run(item, next < items ? w + first_block(next) * block_bytes : nullptr);
       item = next;
     }
   }
 }
+
+inline const char* bytes(const Tensor& t) { return static_cast<const char*>(t.data_ptr()); }
 
 // y = x W^T for x `[M, K]` bfloat16 (any M) against W packed by pack_weight_pairs; returns
 // `[M, N]` bfloat16 (float32 accumulation, rounded once).
@@ -1719,8 +1775,8 @@ Tensor dp_linear(const Tensor& x_in, const Tensor& packed) {
   const auto [x, n] = pair_linear_input(x_in, packed);
   const int64_t m = x.size(0), k = x.size(1);
   Tensor y = at::empty({m, n}, x.options());
-  dp_linear_run<kDpRows, kDpBlocks>(ptr<uint16_t>(x), ptr<uint16_t>(packed), m, k, n / 16,
-                           DpStore{ptr<uint16_t>(y), n});
+  dp_linear_run<Bf16Pairs, kDpRows, kDpBlocks>(bytes(x), bytes(packed), m, 2 * k, n / 16,
+                                               DpStore{ptr<uint16_t>(y), n});
   return y;
 }
 
@@ -1732,10 +1788,50 @@ Tensor dp_linear_silu(const Tensor& x_in, const Tensor& packed) {
   const auto [x, n] = pair_linear_input(x_in, packed);
   const int64_t m = x.size(0), k = x.size(1);
   Tensor y = at::empty({m, n / 2}, x.options());
-  dp_linear_run<kDpSiluRows, kDpSiluBlocks>(ptr<uint16_t>(x), ptr<uint16_t>(packed), m, k, n / 16,
-                   DpSiluStore{ptr<uint16_t>(y), n / 2});
+  dp_linear_run<Bf16Pairs, kDpSiluRows, kDpSiluBlocks>(bytes(x), bytes(packed), m, 2 * k, n / 16,
+                                                       DpSiluStore{ptr<uint16_t>(y), n / 2});
   return y;
 }
+
+#if defined(__AVX512VNNI__)
+// W8A8's matmul with its dequantization: x `[M, K]` uint8, the int8 activations of quantize_rows
+// plus 128 (top bit flipped), with row_scale `[M]` float32, against `packed` `[N / 16, K / 4, 16, 4]` int8 (a weight `[N, K]` quantized per
+// output channel, each block of 16 channels' quads of K in order) with col_scale and col_sum
+// `[N]` (float32 scales, int32 sums of each channel's int8 weights). Returns `[M, N]` bfloat16
+// `acc * row_scale * col_scale`, or with `silu_and_mul` (blocks interleaved gate / up, as for
+// dp_linear_silu) `[M, N / 2]` silu(gate) * up: the values `torch._int_mm` and dequantize_rows
+// give, without their `[M, N]` int32 product in memory.
+Tensor vnni_linear(const Tensor& x_in, const Tensor& row_scale, const Tensor& packed,
+                   const Tensor& col_scale, const Tensor& col_sum, bool silu_and_mul) {
+  const Tensor x = x_in.contiguous();
+  for (const Tensor* t : {&row_scale, &packed, &col_scale, &col_sum})
+    check_cpu_contiguous(*t, "vnni_linear argument");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kByte && x.dim() == 2,
+              "x must be uint8 [M, K] on the CPU");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == 16 &&
+              packed.size(3) == 4 && packed.size(1) * 4 == x.size(1),
+              "packed weight [N / 16, K / 4, 16, 4] int8 for K = ", x.size(1));
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * 16;
+  TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.numel() == m &&
+              col_scale.scalar_type() == at::kFloat && col_scale.numel() == n &&
+              col_sum.scalar_type() == at::kInt && col_sum.numel() == n,
+              "row_scale [M] and col_scale [N] float32, col_sum [N] int32");
+  TORCH_CHECK(!silu_and_mul || n % 32 == 0, "silu_and_mul needs gate and up blocks in pairs");
+  Tensor y = at::empty({m, silu_and_mul ? n / 2 : n}, x.options().dtype(at::kBFloat16));
+  const float* rs = row_scale.data_ptr<float>();
+  const float* cs = col_scale.data_ptr<float>();
+  const int32_t* sums = col_sum.data_ptr<int32_t>();
+  if (silu_and_mul)
+    dp_linear_run<Uint8Quads, kDpSiluRows, kDpSiluBlocks>(
+        bytes(x), bytes(packed), m, k, n / 16,
+        DequantStore<DpSiluStore>{rs, cs, sums, DpSiluStore{ptr<uint16_t>(y), n / 2}});
+  else
+    dp_linear_run<Uint8Quads, kDpRows, kDpBlocks>(
+        bytes(x), bytes(packed), m, k, n / 16,
+        DequantStore<DpStore>{rs, cs, sums, DpStore{ptr<uint16_t>(y), n}});
+  return y;
+}
+#endif
 #endif
 
 }  // namespace
@@ -1765,6 +1861,10 @@ TORCH_LIBRARY(shoal, m) {
   m.def("pack_weight_pairs(Tensor weight) -> Tensor");
   m.def("dp_linear(Tensor x, Tensor packed) -> Tensor");
   m.def("dp_linear_silu(Tensor x, Tensor packed) -> Tensor");
+#if defined(__AVX512VNNI__)
+  m.def("vnni_linear(Tensor x, Tensor row_scale, Tensor packed, Tensor col_scale, Tensor col_sum, "
+        "bool silu_and_mul) -> Tensor");
+#endif
 #endif
 #ifdef SHOAL_AMX
   m.def("amx_linear(Tensor x, Tensor packed) -> Tensor");
@@ -1791,6 +1891,9 @@ TORCH_LIBRARY_IMPL(shoal, CPU, m) {
   m.impl("pack_weight_pairs", &pack_weight_pairs);
   m.impl("dp_linear", &dp_linear);
   m.impl("dp_linear_silu", &dp_linear_silu);
+#if defined(__AVX512VNNI__)
+  m.impl("vnni_linear", &vnni_linear);
+#endif
 #endif
 #ifdef SHOAL_AMX
   m.impl("amx_linear", &amx_linear);
