@@ -375,6 +375,9 @@ def test_vnni_linear_gives_the_values_of_int_mm_and_dequantize_rows(out_features
     packed.zero_()
     col_sum.zero_()
     assert lin._w8a8(x, False).abs().max() == 0
+    # The kernel writes bfloat16: float32 serving keeps torch._int_mm and its own dtype.
+    lin32 = Linear(w.float(), "w8a8", quantize_activations=True, kernels=True, swiglu=swiglu)
+    assert lin32.vnni_w8a8 is None and lin32._w8a8(x.float(), False).dtype == torch.float32
 
 
 @pytest.mark.skipif(not ops.int8_gemv_available(), reason="the kernels were built without VNNI")

@@ -47,10 +47,11 @@ for the number of rows an iteration brings.
   `vnni_linear`: `[2048, 576] x [576, 3072]` with SwiGLU 18.0-18.4 / 11.0-11.7 / 10.0-10.5 ms,
   `[2048, 576] x [576, 960]` 6.1-6.2 / 3.8-4.4 / 4.1 (the kernel alone 3.3 and 10.0 ms,
   690-730 GOP/s, 75-79% of the cores' int8 peak), `[512, 576] x [576, 3072]` 4.4-4.6 / 3.2-3.5 /
-  2.7, `[64, 576] x [576, 3072]` 0.55-0.58 / 0.48-0.52 / 0.40. Only the QKV and gate/up projections take it (their inputs are
-  RMSNorm outputs): prefilling 512 tokens of GPL-3 at once, perplexity rose 1.8% over bfloat16
-  (QKV alone: within noise; gate/up alone: 1.2%; with O and down as well: 4.6% on 1,024 tokens).
-  Iterations of at most 2 rows use int8 weight-only, as `int8` does.
+  2.7, `[64, 576] x [576, 3072]` 0.55-0.58 / 0.48-0.52 / 0.40. Only the QKV and gate/up
+  projections take it (their inputs are RMSNorm outputs): prefilling 512 tokens of GPL-3 at
+  once, perplexity rose 1.8% over bfloat16 (QKV alone: within noise; gate/up alone: 1.2%; with O
+  and down as well: 4.6% on 1,024 tokens). Iterations of at most 2 rows use int8 weight-only, as
+  `int8` does.
 - **AMX tiles for bfloat16 iterations of up to 1,024 rows** (`shoal::amx_linear`, where the CPU has
   AMX): such an iteration is bound by reading the weights, which a second copy holds in the order
   the tiles consume them (`shoal::pack_weight_pairs`); each thread streams its share once, and every
@@ -371,8 +372,9 @@ class Linear:
         if quantization == "w8a8" and quantize_activations and not self.amx:
             q, scale = self.quantized[:2]
             self.w8a8 = (q.t(), scale.float())
-            if (kernels and ops.vnni_linear_available() and self.out_features % 32 == 0
-                    and self.in_features % 4 == 0):
+            # (The kernel writes bfloat16: float32 serving keeps the path below.)
+            if (kernels and weight.dtype == torch.bfloat16 and ops.vnni_linear_available()
+                    and self.out_features % 32 == 0 and self.in_features % 4 == 0):
                 self.vnni_w8a8 = pack_int8_quads(q, scale.float(), swiglu)
         self.packed = None
         self.weight: torch.Tensor | None = weight
