@@ -1567,23 +1567,24 @@ Tensor amx_linear(const Tensor& x_in, const Tensor& packed) {
 constexpr int64_t kDpRows = 8, kDpBlocks = 3;
 constexpr int64_t kDpSiluRows = 6, kDpSiluBlocks = 4;
 
-// The arithmetic of a tile: bfloat16 pairs into float32 accumulators. `Acc` and `Vec` are the
-// vector types the instruction's builtin takes: with `__m512i` accumulators cast at each use,
-// GCC 12 kept vpdpbusd's 24 accumulators in memory (a loop from L1 on a Zen 4: 176 GOP/s, against
-// 438 with `__v16si`, 459 the peak).
+// The arithmetic of a tile (`Op` below): its accumulator and operand vector types, and one
+// multiply-add of a broadcast 4-byte group of x against a vector of weights. Here bfloat16
+// pairs into float32 accumulators.
 struct Bf16Pairs {
   using Acc = __m512;
   using Vec = __m512bh;
   static Acc zero() { return _mm512_setzero_ps(); }
   static Vec load(const char* w) { return (Vec)_mm512_loadu_si512(w); }
-  static Vec group(const char* x) { return (Vec)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x)); }
+  static Vec group(const char* x) { return broadcast_pair(reinterpret_cast<const uint16_t*>(x)); }
   static Acc add(Acc acc, Vec x, Vec w) { return _mm512_dpbf16_ps(acc, x, w); }
 };
 
 #if defined(__AVX512VNNI__)
 // Quads of unsigned x bytes against signed weight bytes into int32 accumulators (vpdpbusd).
 // W8A8's activations are signed; vnni_linear takes them offset by 128 (their top bit flipped),
-// and its store subtracts 128 times each output channel's weight sum: exact in int32.
+// and its store subtracts 128 times each output channel's weight sum: exact in int32. The types
+// are the builtin's own `__v16si`: with `__m512i` accumulators cast at each use GCC 12 kept the
+// 24 of a tile in memory (a loop from L1 on a Zen 4: 176 GOP/s, against 438; the peak is 459).
 struct Uint8Quads {
   using Acc = __v16si;
   using Vec = __v16si;
@@ -1797,9 +1798,10 @@ Tensor dp_linear_silu(const Tensor& x_in, const Tensor& packed) {
 
 #if defined(__AVX512VNNI__)
 // W8A8's matmul with its dequantization: x `[M, K]` uint8, the int8 activations of quantize_rows
-// plus 128 (top bit flipped), with row_scale `[M]` float32, against `packed` `[N / 16, K / 4, 16, 4]` int8 (a weight `[N, K]` quantized per
-// output channel, each block of 16 channels' quads of K in order) with col_scale and col_sum
-// `[N]` (float32 scales, int32 sums of each channel's int8 weights). Returns `[M, N]` bfloat16
+// plus 128 (top bit flipped), with row_scale `[M]` float32, against `packed`
+// `[N / 16, K / 4, 16, 4]` int8 (a weight `[N, K]` quantized per output channel, each block of 16
+// channels' quads of K in order) with col_scale and col_sum `[N]` (float32 scales, int32 sums of
+// each channel's int8 weights). Returns `[M, N]` bfloat16
 // `acc * row_scale * col_scale`, or with `silu_and_mul` (blocks interleaved gate / up, as for
 // dp_linear_silu) `[M, N / 2]` silu(gate) * up: the values `torch._int_mm` and dequantize_rows
 // give, without their `[M, N]` int32 product in memory.
