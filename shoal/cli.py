@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(be)
     be.add_argument("--quick", action="store_true", help="a small run for CI (figures not meaningful)")
     be.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
+    be.add_argument("--rounds", type=_positive_int, default=3,
+                    help="times W64 runs; the median run is reported (default 3)")
     be.add_argument("--output", default="bench-results/engine.json", help="JSON file for the figures")
     be.add_argument("--seed", type=int, default=0)
     w = sub.add_parser("worker", help="a worker process: runs iterations planned by the scheduler")
@@ -379,7 +381,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with _engine(path, cfg, args) as (engine, _):
         run_engine_bench(path, engine, time.perf_counter() - t0, quick=args.quick,
-                         baseline=not args.no_baseline, output=args.output, seed=args.seed)
+                         baseline=not args.no_baseline, output=args.output, seed=args.seed,
+                         rounds=args.rounds)
     return 0
 
 
