@@ -2,13 +2,13 @@
 
 W64: 64 requests submitted at once, prompt lengths uniform in [32, 256] tokens of random ids,
 output lengths uniform in [1, 64], forced (`ignore_eos`), greedy, seeded, run `--rounds` times on
-the engine warmed up by one run of other such requests (the median run is reported). The same requests then run
-through transformers `generate` in static batches of 8 (request-level batching: a batch runs until
-its longest request is done; the Orca paper's baseline), in the same process, in bfloat16. The
-run also times decode iterations at batch 1, 8, 32 and 64, single-stream decode (a 128-token
-prompt, 128 tokens out) and one prefill iteration. With `--quantization` it also reports the perplexity of a
-real text, quantized against unquantized, one token per iteration and as one prompt
-(worker/perplexity.py).
+an engine warmed up by one run of other such requests (the median run is reported). The same
+requests then run through transformers `generate` in static batches of 8 (request-level
+batching: a batch runs until its longest request is done; the Orca paper's baseline), in the same
+process, in bfloat16. The run also times decode iterations at batch 1, 8, 32 and 64,
+single-stream decode (a 128-token prompt, 128 tokens out) and one prefill iteration. With
+`--quantization` it also reports the perplexity of a real text, quantized against unquantized,
+one token per iteration and as one prompt (worker/perplexity.py).
 """
 
 from __future__ import annotations
@@ -164,10 +164,10 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
     cfg = engine.cfg
     vocab = engine.model_cfg.vocab_size
     workload = W64_QUICK if quick else W64
-    # Warm up on a run of the workload itself (other prompts of the same lengths' spread): its
-    # iterations' activation sizes are then in the allocator's hands before the runs that count.
-    # After W64-quick alone, the first W64 run was the slowest of three (586.7 against 601.8 and
-    # 597.5 tokens/s, 2-core Zen 5).
+    # Warm up on a run of the workload itself (other prompts, the same spread of lengths), so
+    # that every counted run follows one of its own shape, as a serving engine's do ("once
+    # warm", as the issue's vLLM figure). Warmed up on W64-quick alone, the first W64 run was
+    # once the slowest of three (586.7 against 601.8 and 597.5 tokens/s, 2-core Zen 5).
     with console.status("warming up"):
         run_workload(engine, to_engine_requests(make_requests(workload, vocab, seed + 1, "warm")))
     runs = []
