@@ -140,7 +140,7 @@ def test_quantization_is_deterministic_and_within_its_perplexity_bound(bf16_mode
         assert ppl <= reference * PERPLEXITY_BOUND[quantization]
 
 
-@pytest.mark.skipif(not ops.lanes_linear_available(), reason="the kernels were built without AVX-512")
+@pytest.mark.skipif(not ops.lanes_linear_available(), reason="the kernels were built without AVX-512 or AVX2")
 @pytest.mark.skipif(not REFERENCE_TEXT.exists(), reason=f"{REFERENCE_TEXT} is not on this machine")
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_float32_quantization_is_deterministic_and_within_its_perplexity_bound(fp32_model,

@@ -10,6 +10,7 @@ from worker.attention import TorchAttention, build_metadata, decode_attention_re
 from worker.linear import (
     AMX_MAX_ROWS,
     DP_MAX_ROWS,
+    INT4_Q8_MAX_ROWS,
     LANES_MAX_ROWS,
     LM_HEAD_DP_MAX_ROWS,
     QUANTIZED_MAX_ROWS,
@@ -17,6 +18,7 @@ from worker.linear import (
     Linear,
     int4_levels,
     pack_int4_lanes,
+    pack_int4_quads,
     pack_int8_lanes,
     quantize_int4,
     quantize_int8,
@@ -189,8 +191,12 @@ def test_packed_linear_matches_f_linear(dtype, bound):
     g = torch.Generator().manual_seed(7)
     w = (torch.randn(96, 64, generator=g) * 0.1).to(dtype)
     lin = Linear(w)
-    if torch.backends.mkldnn.is_available():
+    # oneDNN packs bfloat16 only on CPUs it computes bfloat16 on (not AVX2-only ones: Zen 3)
+    if torch.backends.mkldnn.is_available() and (
+            dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         assert lin.packed is not None and lin.weight is None  # the packed path is what ran
+    else:
+        assert lin.packed is None and lin.weight is not None
     for rows in (1, 5, 64, 300):
         x = torch.randn(rows, 64, generator=g).to(dtype)
         assert rel(lin(x), torch.nn.functional.linear(x, w)) <= bound
@@ -334,7 +340,9 @@ def test_w8a8_linear_quantizes_activations_of_large_iterations_only():
         # Which path served: int8 x int8 equals the dequantized product of the quantized rows.
         xq, xs = ops.quantize_rows(x, kernels=False)
         both = torch.nn.functional.linear(xq.float() * xs[:, None], dequantized)
-        assert (rel(lin(x), both) <= 4e-3) == lin.uses_w8a8(rows) == (rows >= W8A8_MIN_ROWS)
+        # (Not where torch._int_mm has no int8 instructions: activations stay bfloat16 there.)
+        quantized = rows >= W8A8_MIN_ROWS and ops.int8_matmul_fast()
+        assert (rel(lin(x), both) <= 4e-3) == lin.uses_w8a8(rows) == quantized
     x = torch.randn(64, 80, generator=g).to(torch.bfloat16)
     gate, up = torch.nn.functional.linear(x.float(), w.float()).chunk(2, dim=-1)
     assert rel(lin.silu_and_mul(x), torch.nn.functional.silu(gate) * up) <= 3e-2
@@ -426,7 +434,7 @@ def _dequantized_int4(w: torch.Tensor) -> torch.Tensor:
     return (blocks * scale + lo).reshape(w.shape)
 
 
-@pytest.mark.skipif(not ops.lanes_linear_available(), reason="the kernels were built without AVX-512")
+@pytest.mark.skipif(not ops.lanes_linear_available(), reason="the kernels were built without AVX-512 or AVX2")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 11])
 def test_lanes_kernels_equal_the_dequantized_weights_matmul(dtype, rows):
@@ -451,7 +459,36 @@ def test_lanes_kernels_equal_the_dequantized_weights_matmul(dtype, rows):
         pack_int4_lanes(w[:80])
 
 
-@pytest.mark.skipif(not ops.lanes_linear_available(), reason="the kernels were built without AVX-512")
+@pytest.mark.skipif(not ops.int4_q8_available(), reason="the kernels were built without AVX2 or with AVX-512")
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 11])
+def test_int4_q8_linear_equals_its_block_quantized_product(rows):
+    """int4_q8_linear against the same arithmetic in float64: each row quantized to int8 per
+    block of 32 inputs (scale max |x| / 127), times the int4 levels, scaled per block, plus each
+    block's minimum times the block's exact sum; rows that leave partial tiles of 4, and
+    blocks of zeros (a zero scale)."""
+    g = torch.Generator().manual_seed(60 + rows)
+    w = torch.randn(96, 160, generator=g) * 0.1
+    x = torch.randn(rows, 160, generator=g) * 2
+    x[0, 32:64] = 0.0
+    q, scale, lo = int4_levels(w, 32)
+    scale, lo = scale.half().double(), lo.half().double()
+    blocks = x.double().reshape(rows, 5, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    x8 = torch.where(d > 0, torch.round(blocks / d), torch.zeros_like(blocks))
+    ref = (torch.einsum("rbk,nbk->rn", x8 * d, q.double().reshape(96, 5, 32) * scale[..., None])
+           + torch.einsum("rb,nb->rn", blocks.sum(-1), lo))
+    assert x8.abs().max() == 127  # the scale uses the whole int8 range
+    y = torch.ops.shoal.int4_q8_linear(x, *pack_int4_quads(w))
+    assert y.dtype == torch.float32 and y.shape == (rows, 96)
+    assert rel(y.double(), ref) <= 1e-6
+    # int8 activations err by about 1% against float ones on Gaussian rows: not exact, not far
+    exact_x = torch.nn.functional.linear(x.double(), _dequantized_int4(w).double())
+    assert 1e-4 < rel(y.double(), exact_x) < 3e-2
+    with pytest.raises(ValueError, match="divisible by 8"):
+        pack_int4_quads(w[:92])
+
+
+@pytest.mark.skipif(not ops.lanes_linear_available(), reason="the kernels were built without AVX-512 or AVX2")
 @pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8"])
 def test_float32_quantized_linear_takes_the_lanes_kernels_for_few_rows(quantization):
     """float32 weights under --quantization: up to LANES_MAX_ROWS rows through the lanes
@@ -459,15 +496,19 @@ def test_float32_quantized_linear_takes_the_lanes_kernels_for_few_rows(quantizat
     g = torch.Generator().manual_seed(44)
     w = torch.randn(128, 96, generator=g) * 0.1
     lin = Linear(w, quantization, kernels=True)
-    assert lin.lanes is not None and lin.lanes_max_rows == LANES_MAX_ROWS[quantization]
+    q8 = quantization == "int4" and ops.int4_q8_available()  # int8 activations, every size
+    assert lin.lanes is not None
+    assert lin.lanes_max_rows == (INT4_Q8_MAX_ROWS if q8 else LANES_MAX_ROWS[quantization])
     if quantization == "int4":
         dequantized = _dequantized_int4(w)
     else:
         q, scale = quantize_int8(w)
         dequantized = q.float() * scale[:, None]
-    for rows in (1, LANES_MAX_ROWS[quantization], LANES_MAX_ROWS[quantization] + 1):
+    for rows in (1, LANES_MAX_ROWS[quantization], LANES_MAX_ROWS[quantization] + 1, 300):
         x = torch.randn(rows, 96, generator=g)
         on_lanes = rel(lin(x), torch.nn.functional.linear(x, dequantized)) <= 1e-5
+        if q8:  # (int4_q8_linear is tested above)
+            on_lanes = torch.equal(lin(x), torch.ops.shoal.int4_q8_linear(x, *pack_int4_quads(w)))
         exact = rel(lin(x), torch.nn.functional.linear(x, w)) <= 1e-5
         assert (on_lanes, exact) == ((True, False) if rows <= lin.lanes_max_rows else (False, True))
     assert Linear(w.to(torch.bfloat16), quantization, kernels=True).lanes is None

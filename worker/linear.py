@@ -121,6 +121,8 @@ VNNI_INT8_MAX_ROWS = 4  # int8 weights through shoal::int8_gemv beat bfloat16 up
 W8A8_MIN_ROWS = 16  # int8 x int8 matmuls beat bfloat16 from here (measured: 17 yes, 8 no)
 # float32 iterations of up to this many rows take shoal::int8_linear / int4_linear (table above).
 LANES_MAX_ROWS = {"int8": 32, "int4": 16, "w8a8": W8A8_MIN_ROWS - 1}
+# shoal::int4_q8_linear (AVX2-only CPUs) beats float32 oneDNN at every size measured (table above).
+INT4_Q8_MAX_ROWS = sys.maxsize
 AMX_MAX_ROWS = 1024  # shoal::amx_linear beats oneDNN up to here (table above; 2,048 rows: not)
 # shoal::dp_linear serves bfloat16 iterations of every size where it runs (see above).
 DP_MAX_ROWS = sys.maxsize
@@ -236,6 +238,32 @@ def pack_int4_lanes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scale_min.permute(0, 2, 3, 1).to(torch.float16).contiguous()
 
 
+def pack_int4_quads(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`int4_levels` in `shoal::int4_q8_linear`'s layout (AVX2: `vpmaddubsw` on quads of inputs).
+
+    Args:
+        weight: `[out, in]` float; `out` a multiple of 8, `in` a multiple of 32.
+
+    Returns:
+        `[out / 8, in / 32, 4, 8, 4]` uint8 (vector t of a block: for each of 8 channels, the
+        levels of inputs 4t + i in the low nibbles and 16 + 4t + i in the high ones) and
+        `[out / 8, in / 32, 2, 8]` float16 scales and minimums.
+
+    Raises:
+        ValueError: shapes the layout cannot take.
+    """
+    out_features, in_features = weight.shape
+    if out_features % 8:
+        raise ValueError(f"quads layout needs out_features divisible by 8, got {out_features}")
+    q, scale, lo = int4_levels(weight, 32)
+    groups, blocks = out_features // 8, in_features // 32
+    # [group, channel, block, nibble, t, i] -> [group, block, t, channel, i, nibble]
+    q = q.reshape(groups, 8, blocks, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+    packed = (q[..., 0] | (q[..., 1] << 4)).to(torch.uint8).contiguous()
+    scale_min = torch.stack([scale, lo], dim=-1).reshape(groups, 8, blocks, 2)
+    return packed, scale_min.permute(0, 2, 3, 1).to(torch.float16).contiguous()
+
+
 def pack_int8_quads(q: torch.Tensor, scale: torch.Tensor, swiglu: bool
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """An int8 weight `q` `[N, K]` (per-output-channel `scale` `[N]` float32) in the layout of
@@ -252,8 +280,14 @@ def pack_int8_quads(q: torch.Tensor, scale: torch.Tensor, swiglu: bool
     return (on_huge_pages(packed), scale.contiguous(), q.sum(dim=1, dtype=torch.int32))
 
 
-def _mkldnn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def _mkldnn_available(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's prepacked linear serves `dtype` here: in this torch build and, for
+    bfloat16, on this CPU (its reorder refuses CPUs without AVX-512 BW/VL/DQ or AVX-NE-CONVERT,
+    such as AMD Zen 3)."""
+    if not (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def swiglu_interleave(weight: torch.Tensor) -> torch.Tensor:
@@ -329,17 +363,25 @@ class Linear:
         elif quantization == "int4":
             self.quantized = quantize_int4(weight)
         # float32 weights: torch's weight-only kernels were slower than the unquantized matmul
-        # (table above), so few-row iterations take shoal's lanes kernels, activations in float32.
+        # (table above), so few-row iterations take shoal's lanes kernels, activations in float32
+        # (int4 on AVX2-only CPUs: int8 activations per block of 32, shoal::int4_q8_linear).
         self.lanes: tuple[torch.Tensor, torch.Tensor] | None = None
         self.lanes_max_rows = 0
+        self.lanes_op = None  # the shoal kernel that takes `lanes`
         if (quantization != "none" and kernels and weight.dtype == torch.float32
                 and ops.lanes_linear_available() and self.out_features % 32 == 0
                 and self.in_features % 32 == 0):
-            if quantization == "int4":
+            self.lanes_max_rows = LANES_MAX_ROWS[quantization]
+            if quantization == "int4" and ops.int4_q8_available():
+                self.lanes = pack_int4_quads(weight)
+                self.lanes_op = torch.ops.shoal.int4_q8_linear
+                self.lanes_max_rows = INT4_Q8_MAX_ROWS
+            elif quantization == "int4":
                 self.lanes = pack_int4_lanes(weight)
+                self.lanes_op = torch.ops.shoal.int4_linear
             else:
                 self.lanes = (pack_int8_lanes(self.quantized[0]), self.quantized[1].float())
-            self.lanes_max_rows = LANES_MAX_ROWS[quantization]
+                self.lanes_op = torch.ops.shoal.int8_linear
             if not self.vnni:
                 self.max_quantized_rows = 0
         # bfloat16 weights packed in pairs of input channels serve iterations of up to
@@ -369,7 +411,9 @@ class Linear:
         # Where the kernels have VNNI: the same int8 weights packed for `shoal::vnni_linear`
         # (packed, scales, sums; gate/up blocks interleaved as for dp_linear_silu).
         self.vnni_w8a8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        if quantization == "w8a8" and quantize_activations and not self.amx:
+        # Nor where torch._int_mm has no int8 instructions to run on (ops.int8_matmul_fast).
+        if (quantization == "w8a8" and quantize_activations and not self.amx
+                and ops.int8_matmul_fast()):
             q, scale = self.quantized[:2]
             self.w8a8 = (q.t(), scale.float())
             # (The kernel writes bfloat16: float32 serving keeps the path below.)
@@ -378,10 +422,11 @@ class Linear:
                 self.vnni_w8a8 = pack_int8_quads(q, scale.float(), swiglu)
         self.packed = None
         self.weight: torch.Tensor | None = weight
-        if self.pairs is not None and self.pairs_max_rows == sys.maxsize:
-            self.weight = None  # the packed pairs serve every iteration: no other copy is kept
+        if ((self.pairs is not None and self.pairs_max_rows == sys.maxsize)
+                or self.lanes_max_rows == sys.maxsize):
+            self.weight = None  # one packed copy serves every iteration: no other is kept
         elif (pack and weight.dtype in (torch.bfloat16, torch.float32)
-                and weight.device.type == "cpu" and _mkldnn_available()):
+                and weight.device.type == "cpu" and _mkldnn_available(weight.dtype)):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_ROWS_HINT)
             self.weight = None
 
@@ -395,9 +440,7 @@ class Linear:
                 return torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, INT4_GROUP_SIZE, scale)
             return torch.ops.aten._weight_int8pack_mm(x, q, scale)
         if x.shape[0] <= self.lanes_max_rows:
-            if self.quantization == "int4":
-                return torch.ops.shoal.int4_linear(x, *self.lanes)
-            return torch.ops.shoal.int8_linear(x, *self.lanes)
+            return self.lanes_op(x, *self.lanes)
         if self.uses_w8a8(x.shape[0]):
             return self._w8a8(x, silu_and_mul=False)
         if x.shape[0] <= self.pairs_max_rows:

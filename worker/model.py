@@ -20,6 +20,7 @@ runs four matmuls instead of seven.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,8 @@ from worker.config import ModelConfig
 from worker.kv_cache import KVCache
 from worker.linear import LM_HEAD_DP_MAX_ROWS, Linear
 from worker.loader import Weights
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -112,6 +115,10 @@ class LlamaModel:
                     down=linear(p + "mlp.down_proj.weight"),
                 )
             )
+        if quantization == "w8a8" and self.kernels and not ops.int8_matmul_fast():
+            log.warning("--quantization w8a8: this CPU has no int8 dot-product instructions "
+                        "(AVX-512 VNNI or AMX); activations stay in %s (int8 weights serve "
+                        "iterations of a few rows, as under int8)", str(self.dtype).removeprefix("torch."))
         self.cos_sin = ops.rope_cos_sin(cfg.rope_theta, cfg.head_dim, max_positions).to(self.device)
         self.scale = cfg.head_dim**-0.5
 

@@ -72,10 +72,18 @@ def int8_gemv_available() -> bool:
 
 
 def lanes_linear_available() -> bool:
-    """True when the C++ kernels were built with AVX-512: `shoal::int8_linear` and
-    `shoal::int4_linear`, weight-only quantized matmuls with float32 activations
-    (worker/linear.py)."""
+    """True when the C++ kernels were built with AVX-512, or AVX2 with FMA and F16C:
+    `shoal::int8_linear` and `shoal::int4_linear`, weight-only quantized matmuls with float32
+    activations (worker/linear.py)."""
     return cpu_ops.load() and hasattr(torch.ops.shoal, "int4_linear")
+
+
+def int4_q8_available() -> bool:
+    """True when the C++ kernels were built with AVX2 and without AVX-512: `shoal::int4_q8_linear`,
+    int4 weights against int8 activations quantized per block of 32 inputs (worker/linear.py),
+    which serves `--quantization int4`'s few-row iterations there in place of
+    `shoal::int4_linear`."""
+    return cpu_ops.load() and hasattr(torch.ops.shoal, "int4_q8_linear")
 
 
 def dp_linear_available() -> bool:
@@ -88,6 +96,16 @@ def vnni_linear_available() -> bool:
     """True when the C++ kernels were built with AVX512_BF16 and AVX-512 VNNI: `shoal::vnni_linear`,
     W8A8's int8 matmul with its dequantization (worker/linear.py)."""
     return cpu_ops.load() and hasattr(torch.ops.shoal, "vnni_linear")
+
+
+def int8_matmul_fast() -> bool:
+    """Whether `torch._int_mm` (W8A8's int8 matmul where `shoal::vnni_linear` does not serve)
+    runs on int8 dot-product instructions here: AVX-512 VNNI or AMX. On an AVX2-only CPU (AMD
+    Zen 3) it ran a reference loop at 6 GOP/s, against float32's 146 GFLOP/s through oneDNN
+    (docs/benchmarks.md, session 15), so W8A8 keeps float activations there."""
+    flags = cpu_ops.cpu_flags()
+    return flags is not None and bool(set(flags.split(":", 1)[-1].split())
+                                      & {"avx512_vnni", "amx_int8"})
 
 
 def amx_available() -> bool:
