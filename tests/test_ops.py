@@ -388,7 +388,8 @@ def test_vnni_linear_gives_the_values_of_int_mm_and_dequantize_rows(out_features
     assert lin32.vnni_w8a8 is None and lin32._w8a8(x.float(), False).dtype == torch.float32
 
 
-@pytest.mark.skipif(not ops.int8_gemv_available(), reason="the kernels were built without VNNI")
+@pytest.mark.skipif(not ops.int8_gemv_available(),
+                    reason="the kernels were built without VNNI, or with AVX-512 but no VNNI")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 4, 6])
 def test_int8_gemv_is_int8_activations_times_int8_weights(dtype, rows):

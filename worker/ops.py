@@ -66,8 +66,8 @@ def silu_and_mul_reference(gate_up):
 
 
 def int8_gemv_available() -> bool:
-    """True when the C++ kernels were built with AVX-512 VNNI, which `shoal::int8_gemv` needs
-    (worker/linear.py: the quantized LM head's iterations of a few rows)."""
+    """True when the C++ kernels were built with AVX-512 VNNI, or with AVX2 and no AVX-512:
+    `shoal::int8_gemv` (worker/linear.py: the quantized LM head's iterations of a few rows)."""
     return cpu_ops.load() and hasattr(torch.ops.shoal, "int8_gemv")
 
 

@@ -1132,13 +1132,18 @@ Tensor dequantize_rows(const Tensor& acc, const Tensor& row_scale, const Tensor&
   return out;
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && !defined(__AVX512F__))
+#define SHOAL_INT8_GEMV 1
 // Weight-only int8 matmul for iterations of a few rows, where a step is bound by reading weights:
 // the rows of x are quantized to int8 on the fly (per row, as llama.cpp's Q8 activations) and
 // multiplied by the int8 weight with VNNI (vpdpbusd: 64 multiply-adds of unsigned x signed bytes
 // per instruction), each weight byte loaded once for all rows. vpdpbusd takes the activations
 // unsigned: they are stored as q + 128, and 128 * sum(w[n, :]) (w_sum) is taken off again.
 //   y[i, n] = x_scale[i] * w_scale[n] * (sum_k (q[i, k] + 128) * w[n, k] - 128 * w_sum[n])
+// AVX2 has no vpdpbusd, and vpmaddubsw's int16 pair sums would saturate on (q + 128) * w; there
+// the sign goes onto the weight instead (llama.cpp's trick): |q| * (w * sign(q)) = q * w, a pair
+// of them within 2 * 127 * 127, then vpmaddwd into int32, so the offset and w_sum are not used.
+#if defined(__AVX512VNNI__)
 template <int64_t M, typename scalar_t>
 void int8_gemv_rows(const uint8_t* xu, const float* x_scale, const int8_t* w, const float* w_scale,
                     const int32_t* w_sum, scalar_t* y, int64_t k, int64_t n, int64_t begin,
@@ -1158,6 +1163,36 @@ void int8_gemv_rows(const uint8_t* xu, const float* x_scale, const int8_t* w, co
           static_cast<float>(_mm512_reduce_add_epi32(acc[i]) - 128 * w_sum[r]));
   }
 }
+
+#else
+template <int64_t M, typename scalar_t>
+void int8_gemv_rows(const uint8_t* xu, const float* x_scale, const int8_t* w, const float* w_scale,
+                    const int32_t*, scalar_t* y, int64_t k, int64_t n, int64_t begin,
+                    int64_t end) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  for (int64_t r = begin; r < end; ++r) {
+    const int8_t* wr = w + r * k;
+    __m256i acc[M];
+    for (int64_t i = 0; i < M; ++i) acc[i] = _mm256_setzero_si256();
+    for (int64_t c = 0; c < k; c += 32) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + c));
+      for (int64_t i = 0; i < M; ++i) {
+        const __m256i q = _mm256_xor_si256(  // the signed activations back from q + 128
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xu + i * k + c)), flip);
+        const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(wv, q));
+        acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+    for (int64_t i = 0; i < M; ++i) {
+      __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc[i]), _mm256_extracti128_si256(acc[i], 1));
+      h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+      h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+      y[i * n + r] = from_float<scalar_t>(x_scale[i] * w_scale[r] *
+                                          static_cast<float>(_mm_cvtsi128_si32(h)));
+    }
+  }
+}
+#endif
 
 template <typename scalar_t>
 void int8_gemv_impl(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& w_scale,
@@ -1444,16 +1479,11 @@ Tensor int4_q8_linear(const Tensor& x, const Tensor& w, const Tensor& scale_min)
   std::vector<float> d(m * nb), x_sum(m * nb);
   for (int64_t blk = 0; blk < m * nb; ++blk) {
     const float* src = xp + blk * 32;
-    float amax = 0.f, sum = 0.f;
-#pragma omp simd reduction(max : amax) reduction(+ : sum)
-    for (int64_t e = 0; e < 32; ++e) {
-      amax = std::max(amax, std::fabs(src[e]));
-      sum += src[e];
-    }
-    d[blk] = amax / 127.f;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t e = 0; e < 32; ++e) sum += src[e];
     x_sum[blk] = sum;
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    for (int64_t e = 0; e < 32; ++e) x8[blk * 32 + e] = static_cast<int8_t>(std::nearbyint(src[e] * inv));
+    d[blk] = quantize_row(src, 32, x8.data() + blk * 32, 0);
   }
   Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -2043,7 +2073,7 @@ TORCH_LIBRARY(shoal, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps, ScalarType out_dtype) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#ifdef SHOAL_INT8_GEMV
   m.def("int8_gemv(Tensor x, Tensor w, Tensor w_scale, Tensor w_sum) -> Tensor");
 #endif
 #ifdef SHOAL_LANES
@@ -2077,7 +2107,7 @@ TORCH_LIBRARY_IMPL(shoal, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("quantize_rows", &quantize_rows);
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#ifdef SHOAL_INT8_GEMV
   m.impl("int8_gemv", &int8_gemv);
 #endif
 #ifdef SHOAL_LANES
