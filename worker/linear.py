@@ -116,7 +116,7 @@ for the number of rows an iteration brings.
 
   so it serves int4 iterations of every size there (`INT4_Q8_MAX_ROWS`), and no float32 copy
   of those weights is kept. Perplexity of 512 tokens of GPL-3 as one prompt 18.645 against
-  float32's 18.832; one token per iteration (320 tokens) 19.898 against 20.117.
+  float32's 18.832; one token per iteration (320 tokens) 19.925 against 20.117.
 - Plain `F.linear` otherwise (float16, another device, or no oneDNN).
 """
 
