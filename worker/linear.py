@@ -228,6 +228,31 @@ def pack_int8_lanes(q: torch.Tensor) -> torch.Tensor:
     return q.reshape(out_features // 16, 16, in_features).transpose(1, 2).contiguous()
 
 
+def _int4_groups(weight: torch.Tensor, channels: int, layout: str, multiple: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`int4_levels` (blocks of 32 inputs) of `weight` `[out, in]` by groups of `channels` output
+    channels: levels `[out / channels, channels, in / 32, 2, 16]` int32 (each block's first and
+    second 16 inputs) and scales and minimums `[out / channels, in / 32, 2, channels]` float16.
+
+    Raises:
+        ValueError: `out` not a multiple of `multiple` (what `layout` needs), or `in` of 32.
+    """
+    out_features, in_features = weight.shape
+    if out_features % multiple:
+        raise ValueError(f"{layout} layout needs out_features divisible by {multiple}, "
+                         f"got {out_features}")
+    q, scale, lo = int4_levels(weight, 32)
+    groups, blocks = out_features // channels, in_features // 32
+    scale_min = torch.stack([scale, lo], dim=-1).reshape(groups, channels, blocks, 2)
+    return (q.reshape(groups, channels, blocks, 2, 16),
+            scale_min.permute(0, 2, 3, 1).to(torch.float16).contiguous())
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Levels `[..., 2]` (0-15) as bytes `[...]` uint8: the first in the low nibble."""
+    return (q[..., 0] | (q[..., 1] << 4)).to(torch.uint8).contiguous()
+
+
 def pack_int4_lanes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`int4_levels` in `shoal::int4_linear`'s layout (groups of 32 inputs).
 
@@ -242,16 +267,9 @@ def pack_int4_lanes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Raises:
         ValueError: shapes the layout cannot take.
     """
-    out_features, in_features = weight.shape
-    if out_features % 32:
-        raise ValueError(f"lanes layout needs out_features divisible by 32, got {out_features}")
-    q, scale, lo = int4_levels(weight, 32)
-    groups, blocks = out_features // 16, in_features // 32
+    q, scale_min = _int4_groups(weight, 16, "lanes", 32)
     # [group, lane, block, nibble, j] -> [group, block, j, lane, nibble]
-    q = q.reshape(groups, 16, blocks, 2, 16).permute(0, 2, 4, 1, 3)
-    packed = (q[..., 0] | (q[..., 1] << 4)).to(torch.uint8).contiguous()
-    scale_min = torch.stack([scale, lo], dim=-1).reshape(groups, 16, blocks, 2)
-    return packed, scale_min.permute(0, 2, 3, 1).to(torch.float16).contiguous()
+    return _nibbles(q.permute(0, 2, 4, 1, 3)), scale_min
 
 
 def pack_int4_quads(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,16 +286,10 @@ def pack_int4_quads(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Raises:
         ValueError: shapes the layout cannot take.
     """
-    out_features, in_features = weight.shape
-    if out_features % 8:
-        raise ValueError(f"quads layout needs out_features divisible by 8, got {out_features}")
-    q, scale, lo = int4_levels(weight, 32)
-    groups, blocks = out_features // 8, in_features // 32
+    q, scale_min = _int4_groups(weight, 8, "quads", 8)
+    groups, _, blocks = q.shape[:3]
     # [group, channel, block, nibble, t, i] -> [group, block, t, channel, i, nibble]
-    q = q.reshape(groups, 8, blocks, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
-    packed = (q[..., 0] | (q[..., 1] << 4)).to(torch.uint8).contiguous()
-    scale_min = torch.stack([scale, lo], dim=-1).reshape(groups, 8, blocks, 2)
-    return packed, scale_min.permute(0, 2, 3, 1).to(torch.float16).contiguous()
+    return _nibbles(q.reshape(groups, 8, blocks, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)), scale_min
 
 
 def pack_int8_quads(q: torch.Tensor, scale: torch.Tensor, swiglu: bool
