@@ -8,6 +8,8 @@ storage dtype.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -98,6 +100,7 @@ def vnni_linear_available() -> bool:
     return cpu_ops.load() and hasattr(torch.ops.shoal, "vnni_linear")
 
 
+@functools.cache  # read once: every W8A8 projection asks
 def int8_matmul_fast() -> bool:
     """Whether `torch._int_mm` (W8A8's int8 matmul where `shoal::vnni_linear` does not serve)
     runs on int8 dot-product instructions here: AVX-512 VNNI or AMX. On an AVX2-only CPU (AMD
