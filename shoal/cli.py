@@ -57,7 +57,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="torch threads (default: all cores)")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                    help="int8 / int4: weight-only quantized matmuls for iterations of a few rows "
-                        "(faster single-stream decode; int4 is GGUF Q4_1's scheme); w8a8: int8 "
+                        "(faster single-stream decode; int4 is GGUF Q4_1's scheme, at every size "
+                        "with int8 activations on AVX2-only and AVX-512 VNNI CPUs); w8a8: int8 "
                         "activations too in large iterations (faster prefill and batched "
                         "decode); see docs/engine.md for the perplexity cost")
     p.add_argument("--device", default=None,

@@ -460,13 +460,15 @@ def test_lanes_kernels_equal_the_dequantized_weights_matmul(dtype, rows):
         pack_int4_lanes(w[:80])
 
 
-@pytest.mark.skipif(not ops.int4_q8_available(), reason="the kernels were built without AVX2 or with AVX-512")
+@pytest.mark.skipif(not ops.int4_q8_available(),
+                    reason="the kernels were built without AVX2, or with AVX-512 but no VNNI")
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 11])
 def test_int4_q8_linear_equals_its_block_quantized_product(rows):
     """int4_q8_linear against the same arithmetic in float64: each row quantized to int8 per
     block of 32 inputs (scale max |x| / 127), times the int4 levels, scaled per block, plus each
-    block's minimum times the block's exact sum; rows that leave partial tiles of 4, and
-    blocks of zeros (a zero scale)."""
+    block's minimum times the block's exact sum; rows that leave partial tiles of 4 (and of 8,
+    with VNNI), and blocks of zeros (a zero scale). Each row comes out bit for bit as when it
+    is alone (with VNNI, iterations of more than 4 rows take the 16-channel form)."""
     g = torch.Generator().manual_seed(60 + rows)
     w = torch.randn(96, 160, generator=g) * 0.1
     x = torch.randn(rows, 160, generator=g) * 2
@@ -479,9 +481,15 @@ def test_int4_q8_linear_equals_its_block_quantized_product(rows):
     ref = (torch.einsum("rbk,nbk->rn", x8 * d, q.double().reshape(96, 5, 32) * scale[..., None])
            + torch.einsum("rb,nb->rn", blocks.sum(-1), lo))
     assert x8.abs().max() == 127  # the scale uses the whole int8 range
-    y = torch.ops.shoal.int4_q8_linear(x, *pack_int4_quads(w))
+    packed = pack_int4_quads(w)
+    y = torch.ops.shoal.int4_q8_linear(x, *packed)
     assert y.dtype == torch.float32 and y.shape == (rows, 96)
     assert rel(y.double(), ref) <= 1e-6
+    alone = torch.cat([torch.ops.shoal.int4_q8_linear(x[i : i + 1], *packed) for i in range(rows)])
+    assert torch.equal(y, alone)
+    xb = x.bfloat16()  # bfloat16 serving: the same product of the widened rows, rounded
+    assert torch.equal(torch.ops.shoal.int4_q8_linear(xb, *packed),
+                       torch.ops.shoal.int4_q8_linear(xb.float(), *packed).bfloat16())
     # int8 activations err by about 1% against float ones on Gaussian rows: not exact, not far
     exact_x = torch.nn.functional.linear(x.double(), _dequantized_int4(w).double())
     assert 1e-4 < rel(y.double(), exact_x) < 3e-2
@@ -512,4 +520,11 @@ def test_float32_quantized_linear_takes_the_lanes_kernels_for_few_rows(quantizat
             on_lanes = torch.equal(lin(x), torch.ops.shoal.int4_q8_linear(x, *pack_int4_quads(w)))
         exact = rel(lin(x), torch.nn.functional.linear(x, w)) <= 1e-5
         assert (on_lanes, exact) == ((True, False) if rows <= lin.lanes_max_rows else (False, True))
-    assert Linear(w.to(torch.bfloat16), quantization, kernels=True).lanes is None
+    bf16 = Linear(w.to(torch.bfloat16), quantization, kernels=True)
+    if q8 and not ops.amx_available():  # int4 x int8 serves bfloat16 too, at every size
+        assert bf16.lanes_max_rows == INT4_Q8_MAX_ROWS and bf16.pairs is None
+        x = torch.randn(300, 96, generator=g).bfloat16()
+        packed = pack_int4_quads(w.to(torch.bfloat16))
+        assert torch.equal(bf16(x), torch.ops.shoal.int4_q8_linear(x, *packed))
+    else:
+        assert bf16.lanes is None

@@ -117,6 +117,18 @@ for the number of rows an iteration brings.
   so it serves int4 iterations of every size there (`INT4_Q8_MAX_ROWS`), and no float32 copy
   of those weights is kept. Perplexity of 512 tokens of GPL-3 as one prompt 18.645 against
   float32's 18.832; one token per iteration (320 tokens) 19.925 against 20.117.
+  With AVX-512 VNNI (no AMX) it serves int4 at every size for bfloat16 serving too, in place of
+  `_weight_int4pack_mm_for_cpu` and `dp_linear`: past 4 rows `vpdpbusd` on 16 channels a zmm
+  register. All 120 projections on a 2-core Zen 4, bfloat16 activations, ms per iteration:
+
+  | rows | 1 | 2 | 4 | 8 | 64 | 512 | 2,048 |
+  | --- | --- | --- | --- | --- | --- | --- | --- |
+  | `shoal::dp_linear` (bfloat16 weights) | 7.1-8.1 | 7.3 | 7.4-8.5 | 8.3-9.3 | 35.7-36.0 | 275-277 | 1,179 |
+  | `aten._weight_int4pack_mm_for_cpu` | 3.9-4.0 | 4.6 | 6.2-6.3 | 11.2-11.4 | 82 | | |
+  | `shoal::int4_q8_linear` | 2.9-3.1 | 3.1-3.2 | 3.9-4.1 | 7.1-7.4 | 31.9-34.3 | 245-268 | 955 |
+
+  Float32 serving there, against oneDNN and `int4_linear`: 1 row 2.7 / 17.4 / 4.8, 16 rows
+  11.3 / 25.0 / 25.4, 512 rows 351 / 597 / -.
 - Plain `F.linear` otherwise (float16, another device, or no oneDNN).
 """
 
@@ -137,7 +149,8 @@ VNNI_INT8_MAX_ROWS = 4  # int8 weights through shoal::int8_gemv beat bfloat16 up
 W8A8_MIN_ROWS = 16  # int8 x int8 matmuls beat bfloat16 from here (measured: 17 yes, 8 no)
 # float32 iterations of up to this many rows take shoal::int8_linear / int4_linear (table above).
 LANES_MAX_ROWS = {"int8": 32, "int4": 16, "w8a8": W8A8_MIN_ROWS - 1}
-# shoal::int4_q8_linear (AVX2-only CPUs) beats float32 oneDNN at every size measured (table above).
+# shoal::int4_q8_linear beats float32 oneDNN (AVX2-only CPUs) and bfloat16 dp_linear (AVX-512
+# VNNI) at every size measured (tables above).
 INT4_Q8_MAX_ROWS = sys.maxsize
 AMX_MAX_ROWS = 1024  # shoal::amx_linear beats oneDNN up to here (table above; 2,048 rows: not)
 # shoal::dp_linear serves bfloat16 iterations of every size where it runs (see above).
@@ -388,23 +401,30 @@ class Linear:
             if self.vnni:
                 self.quantized = (q, scale.float(), q.sum(dim=1, dtype=torch.int32))
                 self.max_quantized_rows = VNNI_INT8_MAX_ROWS
-        elif quantization == "int4":
+        shape_ok = self.out_features % 32 == 0 and self.in_features % 32 == 0
+        # int4 where shoal::int4_q8_linear is built (AVX2-only or AVX-512 VNNI CPUs; not where
+        # AMX tiles serve bfloat16), float32 or bfloat16 weights: int8 activations per block of
+        # 32 at every size, beating the unquantized matmul at each (table above), so no other
+        # copy is kept.
+        int4_q8 = (quantization == "int4" and kernels and shape_ok and ops.int4_q8_available()
+                   and (weight.dtype == torch.float32
+                        or (weight.dtype == torch.bfloat16 and not ops.amx_available())))
+        if quantization == "int4" and not int4_q8:
             self.quantized = quantize_int4(weight)
         # float32 weights: torch's weight-only kernels were slower than the unquantized matmul
-        # (table above), so few-row iterations take shoal's lanes kernels, activations in float32
-        # (int4 on AVX2-only CPUs: int8 activations per block of 32, shoal::int4_q8_linear).
+        # (table above), so few-row iterations take shoal's lanes kernels, activations in float32.
         self.lanes: tuple[torch.Tensor, torch.Tensor] | None = None
         self.lanes_max_rows = 0
         self.lanes_op = None  # the shoal kernel that takes `lanes`
-        if (quantization != "none" and kernels and weight.dtype == torch.float32
-                and ops.lanes_linear_available() and self.out_features % 32 == 0
-                and self.in_features % 32 == 0):
+        if int4_q8:
+            self.lanes = pack_int4_quads(weight)
+            self.lanes_op = torch.ops.shoal.int4_q8_linear
+            self.lanes_max_rows = INT4_Q8_MAX_ROWS
+            self.max_quantized_rows = 0
+        elif (quantization != "none" and kernels and weight.dtype == torch.float32
+                and ops.lanes_linear_available() and shape_ok):
             self.lanes_max_rows = LANES_MAX_ROWS[quantization]
-            if quantization == "int4" and ops.int4_q8_available():
-                self.lanes = pack_int4_quads(weight)
-                self.lanes_op = torch.ops.shoal.int4_q8_linear
-                self.lanes_max_rows = INT4_Q8_MAX_ROWS
-            elif quantization == "int4":
+            if quantization == "int4":
                 self.lanes = pack_int4_lanes(weight)
                 self.lanes_op = torch.ops.shoal.int4_linear
             else:
@@ -419,8 +439,8 @@ class Linear:
         self.swiglu_pairs = False
         self.pairs: torch.Tensor | None = None
         self.pairs_max_rows = 0
-        if (kernels and weight.dtype == torch.bfloat16 and self.out_features % 32 == 0
-                and self.in_features % 32 == 0):
+        if (kernels and weight.dtype == torch.bfloat16 and shape_ok
+                and self.lanes_max_rows != sys.maxsize):
             if ops.amx_available():
                 self.amx, self.pairs_max_rows = True, AMX_MAX_ROWS
             elif ops.dp_linear_available():

@@ -81,10 +81,9 @@ def lanes_linear_available() -> bool:
 
 
 def int4_q8_available() -> bool:
-    """True when the C++ kernels were built with AVX2 and without AVX-512: `shoal::int4_q8_linear`,
-    int4 weights against int8 activations quantized per block of 32 inputs (worker/linear.py),
-    which serves `--quantization int4`'s few-row iterations there in place of
-    `shoal::int4_linear`."""
+    """True when the C++ kernels were built with AVX2 and either no AVX-512 or AVX-512 VNNI:
+    `shoal::int4_q8_linear`, int4 weights against int8 activations quantized per block of 32
+    inputs, which serves `--quantization int4` at every size there (worker/linear.py)."""
     return cpu_ops.load() and hasattr(torch.ops.shoal, "int4_q8_linear")
 
 
