@@ -153,8 +153,8 @@ def test_float32_quantization_is_deterministic_and_within_its_perplexity_bound(f
                                                                                quantization):
     """Where the engine serves float32 (`--dtype auto` on CPUs without bfloat16 instructions),
     few-row iterations take the lanes kernels: one token per iteration is their path; a
-    512-token prompt is the path of large iterations (on AVX2-only CPUs, int4's int8
-    activations at every size)."""
+    512-token prompt is the path of large iterations (on AVX2-only and AVX-512 VNNI CPUs,
+    int4's int8 activations at every size)."""
     once = _run(fp32_model, tokenizer, quantization=quantization)
     assert once == _run(fp32_model, tokenizer, quantization=quantization)
     engine = make_engine(fp32_model, quantization=quantization)

@@ -68,8 +68,9 @@ class EngineConfig:
         max_model_len: the context window served, at most the model's own; None means the model's.
         quantization: "none"; "int8" / "int4" for weight-only quantized matmuls in iterations
             of a few rows, the bfloat16 weights serving larger ones (int4 on AVX2-only and
-            AVX-512 VNNI CPUs: every size, int8 activations per block of 32); "w8a8" for int8 weight-only
-            in small iterations and int8 activations in large ones (worker.linear). CPU only.
+            AVX-512 VNNI CPUs: every size, int8 activations per block of 32); "w8a8" for int8
+            weight-only in small iterations and int8 activations in large ones (worker.linear).
+            CPU only.
         fast_paths: use the C++ kernels (worker/ops.py) and oneDNN-prepacked weights
             (worker/linear.py) where available; False runs the plain torch reference everywhere.
         device: "cpu", "cuda" or "cuda:N"; None is CUDA where torch sees one, else the CPU.

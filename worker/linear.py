@@ -123,7 +123,7 @@ for the number of rows an iteration brings.
 
   | rows | 1 | 2 | 4 | 8 | 64 | 512 | 2,048 |
   | --- | --- | --- | --- | --- | --- | --- | --- |
-  | `shoal::dp_linear` (bfloat16 weights) | 7.1-8.1 | 7.3 | 7.4-8.5 | 8.3-9.3 | 35.7-36.0 | 275-277 | 1,179 |
+  | `shoal::dp_linear` (bfloat16 weights) | 7.0-8.1 | 7.0-7.3 | 7.3-8.5 | 8.3-9.3 | 35.7-36.0 | 275-277 | 1,179 |
   | `aten._weight_int4pack_mm_for_cpu` | 3.9-4.0 | 4.6 | 6.2-6.3 | 11.2-11.4 | 82 | | |
   | `shoal::int4_q8_linear` | 2.9-3.1 | 3.1-3.2 | 3.9-4.1 | 7.1-7.4 | 31.9-34.3 | 245-268 | 955 |
 
@@ -286,7 +286,8 @@ def pack_int4_lanes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pack_int4_quads(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`int4_levels` in `shoal::int4_q8_linear`'s layout (AVX2: `vpmaddubsw` on quads of inputs).
+    """`int4_levels` in `shoal::int4_q8_linear`'s layout (quads of inputs for `vpmaddubsw` or
+    `vpdpbusd`; with VNNI two adjacent 8-channel groups fill one zmm register).
 
     Args:
         weight: `[out, in]` float; `out` a multiple of 8, `in` a multiple of 32.
@@ -361,7 +362,8 @@ class Linear:
         kernels: the C++ kernels quantize and dequantize activations (`worker.ops`), serve
             float32 iterations of up to `LANES_MAX_ROWS` rows from quantized weights in the lanes
             layout (`shoal::int8_linear`, `shoal::int4_linear`; out_features and in_features
-            multiples of 32), and serve bfloat16 iterations of up to AMX_MAX_ROWS rows on AMX
+            multiples of 32), int4 at every size, float32 or bfloat16, through
+            `shoal::int4_q8_linear` where it is built (not on AMX CPUs), and serve bfloat16 iterations of up to AMX_MAX_ROWS rows on AMX
             tiles where the CPU has them, else of up to `dp_max_rows` rows with AVX512_BF16
             (out_features and in_features multiples of 32; a packed copy of the weight, the only
             one kept when it serves every size).
