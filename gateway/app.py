@@ -129,6 +129,9 @@ class CompletionRequest(_Common):
     prompt: Annotated[str, Field(min_length=1)] | \
         Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)] | \
         Annotated[list[str], Field(min_length=1, max_length=1)]
+    # OpenAI's completions API, and vLLM's, default to 16 tokens (chat: up to the window).
+    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX,
+                                   description="tokens to generate; default 16, as OpenAI's")
     logprobs: int | None = None
 
 

@@ -80,6 +80,16 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
+def cache_entry(path: Path, kind: str) -> Path:
+    """Where shoal caches something of `kind` derived from the model file `path`:
+    `$SHOAL_CACHE_DIR/<kind>/<key>` (default `~/.cache/shoal`), the key a hash of the file's
+    resolved path, size and modification time, so a replaced or edited file misses its old
+    entries. Nothing is created here."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return _cache_dir() / kind / key
+
+
 def load_tokenizer(path: Path) -> Any:
     """The model's tokenizer with its chat template (a `transformers` fast tokenizer).
 
@@ -96,16 +106,14 @@ def load_tokenizer(path: Path) -> Any:
         if not (path / "tokenizer.json").is_file():
             raise ModelNotFoundError(f"model directory has no tokenizer.json: {path}")
         return AutoTokenizer.from_pretrained(str(path))
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = _cache_dir() / "tokenizers" / key
+    cached = cache_entry(path, "tokenizers")
     if (cached / "tokenizer.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(str(cached))
         except Exception:  # a corrupt cache entry is rebuilt below
             pass
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tmp = cached.with_name(f"{key}.tmp{os.getpid()}")
+    tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
     try:
         tok.save_pretrained(str(tmp))
         os.rename(tmp, cached)  # atomic; fails if a concurrent process got there first

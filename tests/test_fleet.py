@@ -131,6 +131,12 @@ def test_stop_strings_cut_the_text(fleet, oracle, tokenizer):
     assert choice["text"] == full[: full.index(stop)] and choice["finish_reason"] == "stop"
 
 
+def test_completions_default_to_16_tokens_as_openai(fleet):
+    r = httpx.post(fleet["url"] + "/v1/completions", timeout=60,
+                   json={"prompt": "Once upon a time", "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+
+
 def test_models_health_and_readiness(fleet):
     assert httpx.get(fleet["url"] + "/healthz").json()["status"] == "ok"
     assert httpx.get(fleet["url"] + "/readyz").status_code == 200

@@ -14,13 +14,20 @@ from shoal.messages import IterationPlan, NewRequest
 from shoal.model_files import ModelNotFoundError, resolve_model_path
 from shoal.sampling_params import SamplingParams
 from tests.conftest import random_weights, tiny_config
+from worker import loader
 from worker.config import EngineConfig
 from worker.engine import Engine
-from worker.loader import UnsupportedModelError, load_model
+from worker.loader import UnsupportedModelError, load_model, read_model_config
 
 Q = gguf.GGMLQuantizationType
 CFG = tiny_config(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
                   vocab_size=64)
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """The tiny files written here get their weights cache entries under tmp_path."""
+    monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path / "cache"))
 
 
 def _permute_like_llama_cpp(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -105,6 +112,49 @@ def test_gguf_k_quants_dequantize(tmp_path, qtype):
     expected = gguf.quants.dequantize(t.data, qtype)
     assert expected.shape == (4, block) and np.isfinite(expected).all() and np.abs(expected).max() > 0
     load_model(tmp_path / "k.gguf", torch.float32)  # an unknown extra tensor is skipped, not fatal
+
+
+def test_gguf_is_read_once_then_loaded_from_its_weights_cache(tmp_path, monkeypatch):
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, random_weights(CFG, seed=5), Q.Q8_0)
+    cfg, first = load_model(path, torch.float32)  # reads the GGUF file, writes the cache
+    entries = list((tmp_path / "cache" / "weights").rglob("*.safetensors"))
+    assert len(entries) == 1
+
+    def no_gguf(path):
+        raise AssertionError("read the GGUF file again")
+
+    with monkeypatch.context() as m:
+        m.setattr(loader, "_read_gguf", no_gguf)
+        assert read_model_config(path) == cfg
+        cfg2, again = load_model(path, torch.float32)
+        _, bf16 = load_model(path, torch.bfloat16)
+    assert cfg2 == cfg and again.keys() == first.keys()
+    for name, t in first.items():
+        assert torch.equal(again[name], t) and torch.equal(bf16[name], t.to(torch.bfloat16))
+
+    # Other weights in the same file name miss the old entry (size and modification time).
+    other = random_weights(CFG, seed=6)
+    _write_gguf(path, other, Q.F32)
+    _, loaded = load_model(path, torch.float32)
+    assert torch.equal(loaded["model.norm.weight"], other["model.norm.weight"])
+
+    # A corrupt entry is rewritten; the load still gives the file's weights.
+    entry = next(e for e in (tmp_path / "cache" / "weights").rglob("*.safetensors")
+                 if e.parent != entries[0].parent)
+    entry.write_bytes(b"not safetensors")
+    _, loaded = load_model(path, torch.float32)
+    assert torch.equal(loaded["model.norm.weight"], other["model.norm.weight"])
+    assert entry.stat().st_size > 1000
+
+
+def test_gguf_loads_where_the_cache_cannot_be_written(tmp_path, monkeypatch):
+    (tmp_path / "not-a-dir").write_text("x")
+    monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path / "not-a-dir"))
+    weights = random_weights(CFG, seed=7)
+    _write_gguf(tmp_path / "tiny.gguf", weights, Q.F32)
+    _, loaded = load_model(tmp_path / "tiny.gguf", torch.float32)
+    assert all(torch.equal(loaded[n], t) for n, t in weights.items())
 
 
 def test_unsupported_architecture_is_named(tmp_path):
