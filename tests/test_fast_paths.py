@@ -50,6 +50,10 @@ def _run(model, tokenizer, **kw):
 
 @pytest.mark.skipif(not cpu_ops.load(), reason="the C++ kernels did not build here")
 def test_fast_paths_give_the_reference_tokens_in_float32(fp32_model, tokenizer):
+    if ops.lanes_linear_available():  # decode rows then run shoal::f32_linear (worker/linear.py)
+        layer = make_engine(fp32_model).model.layers[0]
+        assert layer.gate_up.lanes_op == torch.ops.shoal.f32_linear
+        assert layer.gate_up.lanes_max_rows >= 8
     fast = _run(fp32_model, tokenizer, max_num_batched_tokens=256)
     reference = _run(fp32_model, tokenizer, max_num_batched_tokens=256, fast_paths=False)
     assert all(len(t) == 24 for t in fast.values())

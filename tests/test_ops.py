@@ -19,7 +19,7 @@ from worker.linear import (
     int4_levels,
     pack_int4_lanes,
     pack_int4_quads,
-    pack_int8_lanes,
+    pack_lanes,
     quantize_int4,
     quantize_int8,
 )
@@ -439,23 +439,27 @@ def _dequantized_int4(w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 11])
 def test_lanes_kernels_equal_the_dequantized_weights_matmul(dtype, rows):
-    """int8_linear and int4_linear against float32 matmuls with the dequantized weights, on row
-    counts that leave partial tiles of 4 rows; out_features 96 leaves an odd number of 16-lane
-    groups per thread."""
+    """int8_linear, int4_linear and f32_linear against float32 matmuls with the dequantized (or
+    float32) weights, on row counts that leave partial tiles of 4 rows; out_features 96 leaves
+    an odd number of 16-lane groups per thread."""
     g = torch.Generator().manual_seed(40 + rows)
     w = torch.randn(96, 160, generator=g) * 0.1
     x = (torch.randn(rows, 160, generator=g) * 2).to(dtype)
     q, scale = quantize_int8(w)
-    y8 = torch.ops.shoal.int8_linear(x, pack_int8_lanes(q), scale)
+    y8 = torch.ops.shoal.int8_linear(x, pack_lanes(q), scale)
     ref8 = torch.nn.functional.linear(x.float(), q.float() * scale[:, None])
     y4 = torch.ops.shoal.int4_linear(x, *pack_int4_lanes(w))
     ref4 = torch.nn.functional.linear(x.float(), _dequantized_int4(w))
-    for y, ref in ((y8, ref8), (y4, ref4)):
+    y32 = torch.ops.shoal.f32_linear(x, pack_lanes(w))
+    ref32 = torch.nn.functional.linear(x.double(), w.double())
+    for y, ref in ((y8, ref8), (y4, ref4), (y32, ref32)):
         assert y.dtype == dtype and y.shape == (rows, 96)
         assert rel(y, ref) <= TOL[dtype]
     assert rel(ref4, torch.nn.functional.linear(x.float(), w)) > 1e-2  # 4 bits are not exact
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        torch.ops.shoal.int8_linear(x[:, :100].contiguous(), pack_int8_lanes(q), scale)
+        torch.ops.shoal.int8_linear(x[:, :100].contiguous(), pack_lanes(q), scale)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.shoal.f32_linear(x, pack_lanes(q))
     with pytest.raises(ValueError, match="divisible by 32"):
         pack_int4_lanes(w[:80])
 

@@ -129,6 +129,20 @@ for the number of rows an iteration brings.
 
   Float32 serving there, against oneDNN and `int4_linear`: 1 row 2.7 / 17.4 / 4.8, 16 rows
   11.3 / 25.0 / 25.4, 512 rows 351 / 597 / -.
+- **float32 iterations of up to 128 rows, unquantized** (`shoal::f32_linear`: the lanes kernel
+  with float32 weights, `LANES_MAX_ROWS["none"]`), where the engine serves float32 on a CPU the
+  lanes kernels build for. oneDNN's prepacked float32 matmul streams a decode step's weights at
+  about 13 GB/s on a 2-core Zen 3 (AVX2), half of what the two cores read. All 120 SmolLM2
+  projections (425 MB), weights out of cache, ms per iteration there, medians of five rounds
+  interleaved (session 17):
+
+  | rows | 1 | 2 | 4 | 8 | 16 | 32 | 64 | 128 | 256 | 512 | 2,048 |
+  | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+  | oneDNN prepacked | 24.0 | 37.0 | 40.7 | 47.4 | 55.2 | 76.8 | 125 | 208 | 384 | 719-753 | 2,741-2,806 |
+  | `shoal::f32_linear` | 15.0 | 15.9 | 18.3 | 22.9 | 33.8 | 55.4 | 99 | 191 | 371 | 766-861 | 2,970-3,321 |
+
+  so both copies are kept (the lanes one adds the float32 weights once more: 0.54 GB for
+  SmolLM2 with its LM head) and oneDNN serves iterations past 128 rows.
 - Plain `F.linear` otherwise (float16, another device, or no oneDNN).
 """
 
@@ -147,8 +161,9 @@ from worker.hugepages import on_huge_pages
 QUANTIZED_MAX_ROWS = {"int8": 2, "int4": 4, "w8a8": 2}
 VNNI_INT8_MAX_ROWS = 4  # int8 weights through shoal::int8_gemv beat bfloat16 up to here (8: even)
 W8A8_MIN_ROWS = 16  # int8 x int8 matmuls beat bfloat16 from here (measured: 17 yes, 8 no)
-# float32 iterations of up to this many rows take shoal::int8_linear / int4_linear (table above).
-LANES_MAX_ROWS = {"int8": 32, "int4": 16, "w8a8": W8A8_MIN_ROWS - 1}
+# float32 iterations of up to this many rows take shoal::int8_linear / int4_linear, or unquantized
+# shoal::f32_linear (tables above).
+LANES_MAX_ROWS = {"int8": 32, "int4": 16, "w8a8": W8A8_MIN_ROWS - 1, "none": 128}
 # shoal::int4_q8_linear beats float32 oneDNN (AVX2-only CPUs) and bfloat16 dp_linear (AVX-512
 # VNNI) at every size measured (tables above).
 INT4_Q8_MAX_ROWS = sys.maxsize
@@ -228,9 +243,10 @@ def quantize_int4(weight: torch.Tensor,
     return packed, scales_zeros.to(weight.dtype)
 
 
-def pack_int8_lanes(q: torch.Tensor) -> torch.Tensor:
-    """Per-channel int8 weights `[out, in]` into `shoal::int8_linear`'s layout
-    `[out / 16, in, 16]`: 16 output channels in the lanes of a vector (worker/csrc/cpu_ops.cpp).
+def pack_lanes(q: torch.Tensor) -> torch.Tensor:
+    """Weights `[out, in]` (per-channel int8, or float32) into the layout of `shoal::int8_linear`
+    and `shoal::f32_linear`, `[out / 16, in, 16]`: 16 output channels in the lanes of a vector
+    (worker/csrc/cpu_ops.cpp).
 
     Raises:
         ValueError: `out` not a multiple of 32.
@@ -360,9 +376,9 @@ class Linear:
         int8_gemv: int8 weights serve iterations of a few rows through `shoal::int8_gemv`
             (int8 activations; where the kernels were built with VNNI) instead of weight-only.
         kernels: the C++ kernels quantize and dequantize activations (`worker.ops`), serve
-            float32 iterations of up to `LANES_MAX_ROWS` rows from quantized weights in the lanes
-            layout (`shoal::int8_linear`, `shoal::int4_linear`; out_features and in_features
-            multiples of 32), int4 at every size, float32 or bfloat16, through
+            float32 iterations of up to `LANES_MAX_ROWS` rows from weights in the lanes layout
+            (`shoal::int8_linear`, `shoal::int4_linear`, and unquantized with `pack`
+            `shoal::f32_linear`; out_features and in_features multiples of 32), int4 at every size, float32 or bfloat16, through
             `shoal::int4_q8_linear` where it is built (not on AMX CPUs), and serve bfloat16 iterations of up to AMX_MAX_ROWS rows on AMX
             tiles where the CPU has them, else of up to `dp_max_rows` rows with AVX512_BF16
             (out_features and in_features multiples of 32; a packed copy of the weight, the only
@@ -414,7 +430,8 @@ class Linear:
         if quantization == "int4" and not int4_q8:
             self.quantized = quantize_int4(weight)
         # float32 weights: torch's weight-only kernels were slower than the unquantized matmul
-        # (table above), so few-row iterations take shoal's lanes kernels, activations in float32.
+        # (table above), so few-row iterations take shoal's lanes kernels, activations in float32;
+        # unquantized ones too, where oneDNN reads the weights at half the memory's speed.
         self.lanes: tuple[torch.Tensor, torch.Tensor] | None = None
         self.lanes_max_rows = 0
         self.lanes_op = None  # the shoal kernel that takes `lanes`
@@ -423,14 +440,17 @@ class Linear:
             self.lanes_op = torch.ops.shoal.int4_q8_linear
             self.lanes_max_rows = INT4_Q8_MAX_ROWS
             self.max_quantized_rows = 0
-        elif (quantization != "none" and kernels and weight.dtype == torch.float32
-                and ops.lanes_linear_available() and shape_ok):
+        elif (kernels and weight.dtype == torch.float32 and ops.lanes_linear_available()
+                and shape_ok and (quantization != "none" or pack)):
             self.lanes_max_rows = LANES_MAX_ROWS[quantization]
-            if quantization == "int4":
+            if quantization == "none":
+                self.lanes = (on_huge_pages(pack_lanes(weight)),)
+                self.lanes_op = torch.ops.shoal.f32_linear
+            elif quantization == "int4":
                 self.lanes = pack_int4_lanes(weight)
                 self.lanes_op = torch.ops.shoal.int4_linear
             else:
-                self.lanes = (pack_int8_lanes(self.quantized[0]), self.quantized[1].float())
+                self.lanes = (pack_lanes(self.quantized[0]), self.quantized[1].float())
                 self.lanes_op = torch.ops.shoal.int8_linear
             if not self.vnni:
                 self.max_quantized_rows = 0

@@ -1261,18 +1261,22 @@ Tensor int8_gemv(const Tensor& x, const Tensor& w, const Tensor& w_scale, const 
 // AVX-512 and AVX2 (kLaneRows, kLaneChains).
 // ---------------------------------------------------------------------------------------------
 
-template <int64_t M>
-void int8_lanes_rows(const float* x, const int8_t* w, const float* scale, float* y, int64_t k,
-                     int64_t n, int64_t g) {
-  const int8_t* w0 = w + g * k * 16;
-  const int8_t* w1 = w0 + k * 16;
+// int8 weights (scaled per channel at the end) or float32 ones (`scale` null).
+inline Lanes16 load_weights(const int8_t* p) { return Lanes16::load_int8(p); }
+inline Lanes16 load_weights(const float* p) { return Lanes16::load(p); }
+
+template <int64_t M, typename W>
+void lanes_rows(const float* x, const W* w, const float* scale, float* y, int64_t k, int64_t n,
+                int64_t g) {
+  const W* w0 = w + g * k * 16;
+  const W* w1 = w0 + k * 16;
   Lanes16 acc[kLaneChains][M][2];  // [input mod kLaneChains][row][group]
   for (auto& a : acc)
     for (auto& r : a) r[0] = r[1] = Lanes16::zero();
   for (int64_t c = 0; c < k; c += kLaneChains) {
     for (int64_t p = 0; p < kLaneChains; ++p) {
-      const Lanes16 a = Lanes16::load_int8(w0 + (c + p) * 16);
-      const Lanes16 b = Lanes16::load_int8(w1 + (c + p) * 16);
+      const Lanes16 a = load_weights(w0 + (c + p) * 16);
+      const Lanes16 b = load_weights(w1 + (c + p) * 16);
       for (int64_t i = 0; i < M; ++i) {
         const Lanes16 xv = Lanes16::all(x[i * k + c + p]);
         acc[p][i][0] = fmadd(a, xv, acc[p][i][0]);
@@ -1281,11 +1285,11 @@ void int8_lanes_rows(const float* x, const int8_t* w, const float* scale, float*
     }
   }
   for (int64_t h = 0; h < 2; ++h) {
-    const Lanes16 s = Lanes16::load(scale + (g + h) * 16);
     for (int64_t i = 0; i < M; ++i) {
       Lanes16 sum = acc[0][i][h];
       for (int64_t p = 1; p < kLaneChains; ++p) sum = sum + acc[p][i][h];
-      (sum * s).store(y + i * n + (g + h) * 16);
+      if (scale) sum = sum * Lanes16::load(scale + (g + h) * 16);
+      sum.store(y + i * n + (g + h) * 16);
     }
   }
 }
@@ -1380,7 +1384,28 @@ Tensor int8_linear(const Tensor& x, const Tensor& w, const Tensor& scale) {
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   for_lane_tiles(m, n, [&](auto rows, int64_t i0, int64_t g) {
-    int8_lanes_rows<decltype(rows)::value>(xp + i0 * k, wp, sp, yp + i0 * n, k, n, g);
+    lanes_rows<decltype(rows)::value>(xp + i0 * k, wp, sp, yp + i0 * n, k, n, g);
+  });
+  return y.to(x.scalar_type());
+}
+
+// float32 weights in the lanes layout: where the engine serves float32, oneDNN's prepacked
+// matmul reads a decode step's weights at about 13 GB/s on a 2-core Zen 3, half what the cores
+// can stream.
+Tensor f32_linear(const Tensor& x, const Tensor& w) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == 16 && w.scalar_type() == at::kFloat,
+              "f32_linear: w [N/16, K, 16] float32");
+  const int64_t k = w.size(1), n = w.size(0) * 16, m = x.size(0);
+  check_lanes_input(x, w, k, "f32_linear");
+  TORCH_CHECK(n % 32 == 0, "f32_linear: N a multiple of 32");
+  const Tensor xf = x.to(at::kFloat);
+  Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for_lane_tiles(m, n, [&](auto rows, int64_t i0, int64_t g) {
+    lanes_rows<decltype(rows)::value>(xp + i0 * k, wp, static_cast<const float*>(nullptr),
+                                      yp + i0 * n, k, n, g);
   });
   return y.to(x.scalar_type());
 }
@@ -2163,6 +2188,7 @@ TORCH_LIBRARY(shoal, m) {
 #endif
 #ifdef SHOAL_LANES
   m.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  m.def("f32_linear(Tensor x, Tensor w) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor w, Tensor scale_min) -> Tensor");
 #endif
 #ifdef SHOAL_INT4_Q8
@@ -2197,6 +2223,7 @@ TORCH_LIBRARY_IMPL(shoal, CPU, m) {
 #endif
 #ifdef SHOAL_LANES
   m.impl("int8_linear", &int8_linear);
+  m.impl("f32_linear", &f32_linear);
   m.impl("int4_linear", &int4_linear);
 #endif
 #ifdef SHOAL_INT4_Q8
