@@ -115,6 +115,11 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     logprobs: Any = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False,
+                                      description="above 1 discourages tokens of the prompt and "
+                                      "the output (as vLLM's); an extension")
     priority: int = Field(default=0, ge=-100, le=100,
                           description="lower is served first (batch jobs use 1); an extension")
     context_overflow: Literal["error", "reevaluate", "shift"] = Field(
@@ -289,6 +294,9 @@ class Gateway:
                                   top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed,
                                   ignore_eos=req.ignore_eos,
                                   min_tokens=min(req.min_tokens, max_tokens), logprobs=logprobs,
+                                  presence_penalty=req.presence_penalty,
+                                  frequency_penalty=req.frequency_penalty,
+                                  repetition_penalty=req.repetition_penalty,
                                   context_overflow=req.context_overflow, n_keep=req.n_keep,
                                   n_discard=req.n_discard)
         except InvalidSamplingParams as e:

@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="above 1 discourages tokens of the prompt and the output (1 = off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--chat", action="store_true", help="apply the model's chat template to PROMPT")
     g.add_argument("--context-overflow", choices=["error", "reevaluate", "shift"], default="error",
                    help="past the window (--max-model-len): stop, or keep --n-keep tokens and "
@@ -313,6 +317,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                repetition_penalty=args.repetition_penalty,
+                                presence_penalty=args.presence_penalty,
+                                frequency_penalty=args.frequency_penalty,
                                 context_overflow=args.context_overflow, n_keep=args.n_keep)
     except InvalidSamplingParams as e:
         raise CLIError(str(e)) from e

@@ -8,6 +8,7 @@ worker/.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -35,6 +36,13 @@ class SamplingParams:
         min_tokens: the end-of-sequence and stop tokens cannot end the request before this many
             tokens were generated.
         logprobs: report the log-probability of each sampled token.
+        presence_penalty: subtracted from the logit of every token the output already holds
+            (OpenAI's API), in [-2, 2]; 0 disables.
+        frequency_penalty: subtracted from a token's logit once per time the output holds it
+            (OpenAI's API), in [-2, 2]; 0 disables.
+        repetition_penalty: divides the positive logits and multiplies the negative ones of
+            every token the prompt or the output holds (Keskar et al. 2019, CTRL, §4.1; as in
+            transformers and vLLM), > 0; 1 disables, above 1 discourages repeats.
         context_overflow: what happens when the request's context fills the window: "error"
             (it finishes with finish_reason "length"), or it goes on past the window keeping
             the first `n_keep` tokens (attention sinks, StreamingLLM) and dropping the next
@@ -54,6 +62,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     context_overflow: str = "error"
     n_keep: int = 4
     n_discard: int | None = None
@@ -71,6 +82,12 @@ class SamplingParams:
             raise InvalidSamplingParams(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidSamplingParams(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise InvalidSamplingParams(f"repetition_penalty must be a positive number, got "
+                                        f"{self.repetition_penalty}")
         if self.context_overflow not in CONTEXT_OVERFLOW:
             raise InvalidSamplingParams(f"context_overflow must be one of {', '.join(CONTEXT_OVERFLOW)}, "
                                         f"got {self.context_overflow!r}")
@@ -83,6 +100,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty reads the request's tokens to change its logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

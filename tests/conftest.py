@@ -143,16 +143,17 @@ def fleet():
 
 @pytest.fixture(scope="session")
 def oracle(fp32_model):
-    """Greedy tokens from the in-process float32 engine for the same prompt ids."""
+    """Greedy tokens from the in-process float32 engine for the same prompt ids (and any other
+    sampling parameters given)."""
     from shoal.messages import NewRequest
     from shoal.sampling_params import SamplingParams
     from worker.offline import generate
 
     engine = make_engine(fp32_model)
 
-    def run(ids, max_tokens):
+    def run(ids, max_tokens, **params):
         out = generate(engine, [NewRequest("o", ids, SamplingParams(max_tokens=max_tokens,
-                                                                    temperature=0))])
+                                                                    temperature=0, **params))])
         return out["o"].token_ids
     return run
 

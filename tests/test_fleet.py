@@ -110,6 +110,9 @@ def test_bad_requests_get_openai_errors(fleet):
         ("/v1/completions", {"prompt": [99999999]}, "prompt"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "repetition_penalty": 0}, "repetition_penalty"),
     ]
     for path, body, param in cases:
         r = httpx.post(fleet["url"] + path, json=body, timeout=30)
@@ -129,6 +132,17 @@ def test_stop_strings_cut_the_text(fleet, oracle, tokenizer):
                    json={"prompt": "1, 2, 3, 4,", "max_tokens": 20, "temperature": 0, "stop": [stop]})
     choice = r.json()["choices"][0]
     assert choice["text"] == full[: full.index(stop)] and choice["finish_reason"] == "stop"
+
+
+def test_penalties_reach_the_worker(fleet, oracle, tokenizer):
+    prompt = "one two three one two three one two three"
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    penalties = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.25}
+    expected = tokenizer.decode(oracle(ids, 24, **penalties), skip_special_tokens=True)
+    assert expected != tokenizer.decode(oracle(ids, 24), skip_special_tokens=True)
+    r = httpx.post(fleet["url"] + "/v1/completions", timeout=60,
+                   json={"prompt": prompt, "max_tokens": 24, "temperature": 0, **penalties})
+    assert r.json()["choices"][0]["text"] == expected
 
 
 def test_completions_default_to_16_tokens_as_openai(fleet):

@@ -67,3 +67,41 @@ def test_greedy_tokens_and_logits_match_transformers(fp32_model, hf_model, token
             b = g.logits[step][0].float()
             rel = ((a - b).norm() / b.norm()).item()
             assert rel <= 1e-3, f"prompt {i} step {step}: relative logits error {rel:.2e}"
+
+
+def test_penalized_greedy_tokens_match_transformers(fp32_model, hf_model, tokenizer):
+    """Repetition penalty against transformers' own; presence and frequency penalties (which
+    transformers lacks) against a logits processor written to OpenAI's definition."""
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    class OpenAIPenalties:
+        def __init__(self, prompt_len: int, presence: float, frequency: float):
+            self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+        def __call__(self, input_ids, scores):
+            for t in set(input_ids[0, self.prompt_len:].tolist()):
+                c = int((input_ids[0, self.prompt_len:] == t).sum())
+                scores[0, t] -= self.frequency * c + self.presence
+            return scores
+
+    prompt = tokenizer.encode("one two three one two three one two three", add_special_tokens=False)
+    engine = make_engine(fp32_model)
+    new_tokens = 32
+    plain = _greedy(engine, prompt, new_tokens, {})
+    cases = [({"repetition_penalty": 1.3}, [RepetitionPenaltyLogitsProcessor(1.3)]),
+             ({"presence_penalty": 1.0, "frequency_penalty": 0.5},
+              [OpenAIPenalties(len(prompt), 1.0, 0.5)])]
+    for kw, processors in cases:
+        ours = _greedy(engine, prompt, new_tokens, kw)
+        with torch.inference_mode():
+            g = hf_model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                                  logits_processor=LogitsProcessorList(processors))
+        assert ours == g[0, len(prompt):].tolist(), kw
+        assert ours != plain, kw  # the penalty changed what greedy picks
+
+
+def _greedy(engine, prompt: list[int], max_tokens: int, kw: dict) -> list[int]:
+    from worker.offline import generate
+
+    req = NewRequest("p", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw))
+    return generate(engine, [req])["p"].token_ids

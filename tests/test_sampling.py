@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shoal.sampling_params import InvalidSamplingParams, SamplingParams
-from worker.sampler import Sampler
+from worker.sampler import Sampler, apply_penalties
 
 
 def _draw(logits, params, n, seed=0):
@@ -58,8 +58,67 @@ def test_same_seed_same_tokens_regardless_of_neighbours():
     assert mixed[2] == alone[0]
 
 
+def _histories(rows, vocab, seed):
+    """Random (token ids, prompt length) per row, with repeats in prompt and output."""
+    rng = torch.Generator().manual_seed(seed)
+    out = []
+    for r in range(rows):
+        n_prompt, n_out = 3 + 2 * r, 5 + 3 * r
+        ids = torch.randint(0, vocab // 3, (n_prompt + n_out,), generator=rng).tolist()
+        out.append((ids, n_prompt))
+    return out
+
+
+def test_penalties_match_a_per_token_reference():
+    vocab = 40
+    logits = torch.randn(4, vocab) * 3
+    params = [SamplingParams(repetition_penalty=1.7), SamplingParams(presence_penalty=0.8),
+              SamplingParams(frequency_penalty=-0.6, repetition_penalty=0.5),
+              SamplingParams(presence_penalty=-1.5, frequency_penalty=1.1, repetition_penalty=1.2)]
+    hist = _histories(4, vocab, 0)
+    got = apply_penalties(logits, params, hist)
+    for r, (p, (ids, n)) in enumerate(zip(params, hist)):
+        for t in range(vocab):
+            x = float(logits[r, t])
+            c = ids[n:].count(t)
+            if t in ids:
+                x = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+            x -= p.frequency_penalty * c + (p.presence_penalty if c else 0.0)
+            assert float(got[r, t]) == pytest.approx(x, rel=1e-6, abs=1e-6), (r, t)
+    assert not torch.equal(got, logits)
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    vocab = 50
+    logits = torch.randn(3, vocab) * 4
+    for r, (ids, n) in enumerate(_histories(3, vocab, 1)):
+        ours = apply_penalties(logits[r:r + 1], [SamplingParams(repetition_penalty=1.4)], [(ids, n)])
+        theirs = RepetitionPenaltyLogitsProcessor(1.4)(torch.tensor([ids]), logits[r:r + 1].clone())
+        torch.testing.assert_close(ours, theirs)
+
+
+def test_penalized_greedy_rows_pick_from_penalized_logits_and_report_raw_logprobs():
+    logits = torch.randn(2, 30)
+    top = int(logits[0].argmax())
+    hist = [([top, top, 3], 1), ([top], 1)]
+    params = [SamplingParams(temperature=0.0, frequency_penalty=2.0, logprobs=True),
+              SamplingParams(temperature=0.0)]
+    tokens, logprobs = Sampler()(logits.clone(), params, [None, None], logits.argmax(-1), hist)
+    expected = apply_penalties(logits[:1], params[:1], hist[:1])[0].argmax()
+    assert tokens[0] == int(expected) != top  # twice in the output: 4 below its old value
+    assert tokens[1] == int(logits[1].argmax())  # no penalty: the given argmax stands
+    assert logprobs[0] == pytest.approx(float(torch.log_softmax(logits[0], -1)[tokens[0]]), abs=1e-5)
+    with pytest.raises(ValueError, match="history"):
+        Sampler()(logits.clone(), params, [None, None], None)
+
+
 @pytest.mark.parametrize("kw", [{"max_tokens": 0}, {"temperature": -1}, {"top_p": 0},
-                                {"top_p": 1.5}, {"top_k": -2}, {"min_tokens": 5, "max_tokens": 2}])
+                                {"top_p": 1.5}, {"top_k": -2}, {"min_tokens": 5, "max_tokens": 2},
+                                {"presence_penalty": 2.5}, {"frequency_penalty": -2.1},
+                                {"repetition_penalty": 0.0}, {"repetition_penalty": float("inf")},
+                                {"presence_penalty": float("nan")}])
 def test_invalid_sampling_params_are_named(kw):
     with pytest.raises(InvalidSamplingParams, match=next(iter(kw)).split("_")[0]):
         SamplingParams(**kw)

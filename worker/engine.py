@@ -335,7 +335,7 @@ class Engine:
             s.num_computed_tokens += c
         if not samplers:
             return []
-        # Greedy rows that want no logprobs and ban no token need only the argmax.
+        # Greedy rows that want no logprobs, ban no token and have no penalty need only the argmax.
         params = [s.params for s in samplers]
         full = (self.keep_logits or self.sampler.needs_logits(params)
                 or any(self._banned_tokens(s) for s in samplers))
@@ -349,7 +349,8 @@ class Engine:
                 argmax = None  # banned tokens changed the rows: the sampler takes its own argmax
             if self.keep_logits:
                 self.last_logits = {s.request_id: logits[i].clone() for i, s in enumerate(samplers)}
-        tokens, logprobs = self.sampler(logits, params, [s.generator for s in samplers], argmax)
+        tokens, logprobs = self.sampler(logits, params, [s.generator for s in samplers], argmax,
+                                        [(s.token_ids, s.num_prompt_tokens) for s in samplers])
         outputs = []
         for s, tok, lp in zip(samplers, tokens, logprobs):
             index = s.num_output_tokens
