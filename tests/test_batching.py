@@ -53,6 +53,21 @@ def test_seeded_request_is_batch_invariant(fp32_model):
     assert generate(engine, [NewRequest("x", prompt, other_seed)])["x"].token_ids != alone
 
 
+def test_seeded_request_resumed_with_its_output_goes_on_as_if_never_moved(fp32_model):
+    """A preempted or migrated request comes back with its output so far: its generator skips
+    the draws those tokens took, so its next tokens are the ones it would have sampled."""
+    prompt = _prompt(random.Random(3), 30)
+    params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
+    engine = make_engine(fp32_model)
+    whole = generate(engine, [NewRequest("a", prompt, params)])["a"].token_ids
+    resumed = generate(engine, [NewRequest("b", prompt, params, output_token_ids=whole[:8])])
+    assert whole[:8] + resumed["b"].token_ids == whole
+    # Without the skip the stream would restart: the first resumed token is drawn with u of
+    # token 0, which (for this seed) picks another token.
+    fresh = generate(engine, [NewRequest("c", prompt + whole[:8], params)])["c"].token_ids
+    assert fresh != resumed["b"].token_ids
+
+
 def test_seeded_request_alone_vs_batch_full_stream(fp32_model):
     """Every token, the first included, is identical alone and in a crowd."""
     rng = random.Random(2)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shoal.sampling_params import InvalidSamplingParams, SamplingParams
-from worker.sampler import Sampler, apply_penalties
+from worker.sampler import Sampler, _inverse_transform, _sample_top_k_top_p, apply_penalties
 
 
 def _draw(logits, params, n, seed=0):
@@ -33,6 +33,43 @@ def test_top_k_and_top_p_cut_the_tail():
     freq = _draw(logits, SamplingParams(temperature=1.0, top_p=0.8), 2000)
     # 0.4 + 0.3 < 0.8, adding 0.15 reaches it: three tokens stay.
     assert freq[3:].sum() == 0 and freq[2] > 0
+
+
+def _reference_top_k_top_p(probs, p, u):
+    """One row through a full sort: the top-k set, then the nucleus of its renormalized mass."""
+    values, order = probs.sort(descending=True)
+    vocab = len(values)
+    k = p.top_k if p.top_k > 0 else vocab
+    values = values.masked_fill(torch.arange(vocab) >= k, 0.0)
+    mass = values.sum() if k < vocab else 1.0
+    keep = values.masked_fill((values.cumsum(0) - values) / mass >= p.top_p, 0.0)
+    cdf = keep.cumsum(0)
+    return int(order[int(torch.searchsorted(cdf, max(float(u) * float(cdf[-1]), 1e-38)))])
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 4.0])  # flat (nuclei need widening) to peaked
+@pytest.mark.parametrize("params", [
+    [SamplingParams(top_p=0.9), SamplingParams(top_k=40), SamplingParams(top_k=200, top_p=0.5),
+     SamplingParams(top_p=0.3)],
+    [SamplingParams(top_k=5000, top_p=0.99), SamplingParams(top_k=1), SamplingParams(top_p=0.6)],
+])
+def test_top_k_top_p_sets_match_a_full_sort(scale, params):
+    vocab = 3000
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(len(params), vocab, generator=gen) * scale, dim=-1)
+    for trial in range(50):
+        u = torch.rand(len(params), generator=gen)
+        got = _sample_top_k_top_p(probs, params, u).tolist()
+        ref = [_reference_top_k_top_p(probs[r], params[r], u[r]) for r in range(len(params))]
+        # By probability: tokens of equal probability may come in either order from topk and sort.
+        assert [float(probs[r, t]) for r, t in enumerate(got)] == \
+            [float(probs[r, t]) for r, t in enumerate(ref)]
+
+
+def test_inverse_transform_never_picks_a_zero_weight():
+    weights = torch.tensor([[0.0, 0.0, 0.25, 0.5, 0.25, 0.0]] * 3)
+    u = torch.tensor([0.0, 1.0 - 2.0**-24, 0.5])
+    assert _inverse_transform(weights, u).tolist() == [2, 4, 3]
 
 
 def test_greedy_rows_and_logprobs():

@@ -22,7 +22,7 @@ from worker.config import EngineConfig, ModelConfig, default_device
 from worker.kv_cache import KVCache, KVCacheFullError
 from worker.loader import load_model
 from worker.model import LlamaModel
-from worker.sampler import Sampler
+from worker.sampler import Sampler, skip_draws
 
 __all__ = ["Engine", "InvalidRequestError", "KVCacheFullError", "Sequence"]
 
@@ -190,6 +190,8 @@ class Engine:
                 gen.seed()
             else:
                 gen.manual_seed(req.params.seed)
+                # Resumed (preempted or moved): go on from where its tokens left the stream.
+                skip_draws(gen, len(req.output_token_ids))
         seq = Sequence(req.request_id, tokens, len(req.prompt_token_ids), req.params, gen)
         while overflow and seq.context_len >= self.max_model_len:  # a migrated long request
             seq.num_discarded += self.n_discard(p)
