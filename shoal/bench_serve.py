@@ -88,8 +88,10 @@ async def send_one(client: aiohttp.ClientSession, url: str, model: str | None, r
     """Send one streaming request and time it."""
     timing = RequestTiming(r.request_id, len(r.prompt_token_ids), r.max_tokens)
     body = {"prompt": r.prompt_text if r.prompt_text is not None else r.prompt_token_ids,
-            "max_tokens": r.max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "max_tokens": r.max_tokens, "temperature": r.temperature, "top_p": r.top_p,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if r.seed is not None:
+        body["seed"] = r.seed
     if model:
         body["model"] = model
     t0 = time.perf_counter()

@@ -108,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="times W64 runs; the median run is reported (default 3)")
     be.add_argument("--output", default="bench-results/engine.json", help="JSON file for the figures")
     be.add_argument("--seed", type=int, default=0)
+    _add_bench_sampling_args(be)
     w = sub.add_parser("worker", help="a worker process: runs iterations planned by the scheduler")
     _add_engine_args(w)
     w.add_argument("--redis-url", required=True)
@@ -240,11 +241,30 @@ def build_parser() -> argparse.ArgumentParser:
                     help="another sweep's JSON to draw beside this one (repeatable)")
     bs.add_argument("--quick", action="store_true", help="a small run (figures not meaningful)")
     bs.add_argument("--seed", type=int, default=0)
+    _add_bench_sampling_args(bs)
     bs.add_argument("--vocab-size", type=_positive_int, default=49152,
                     help="token ids of random prompts are drawn below this")
     bs.add_argument("--output", default="bench-results/serve.json",
                     help="JSON file for the figures; the PNG plots go beside it")
     return parser
+
+
+def _add_bench_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="the workload's requests sample at this temperature, each seeded "
+                        "(default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="and within this top-p")
+
+
+def _bench_sampling(args: argparse.Namespace) -> tuple[float, float]:
+    """--temperature and --top-p, checked as a request's would be."""
+    from shoal.sampling_params import InvalidSamplingParams, SamplingParams
+
+    try:
+        SamplingParams(temperature=args.temperature, top_p=args.top_p)
+    except InvalidSamplingParams as e:
+        raise CLIError(str(e)) from e
+    return args.temperature, args.top_p
 
 
 def _engine_config(args: argparse.Namespace):
@@ -378,6 +398,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from shoal.model_files import resolve_model_path
     from shoal.process import keep_freed_memory
 
+    temperature, top_p = _bench_sampling(args)
     cfg = _engine_config(args)
     path = resolve_model_path(args.model)
     _set_threads(args)
@@ -390,7 +411,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     with _engine(path, cfg, args) as (engine, _):
         run_engine_bench(path, engine, time.perf_counter() - t0, quick=args.quick,
                          baseline=not args.no_baseline, output=args.output, seed=args.seed,
-                         rounds=args.rounds)
+                         rounds=args.rounds, temperature=temperature, top_p=top_p)
     return 0
 
 
@@ -590,15 +611,17 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from shoal.bench_serve import print_table, run_sweep, workload_requests, write_outputs
-    from shoal.workloads import W64_QUICK, make_requests
+    from shoal.workloads import W64_QUICK, make_requests, with_sampling
 
     rates = _numbers(args.rates, float, "--rates")
     concurrencies = _numbers(args.concurrency, int, "--concurrency")
+    temperature, top_p = _bench_sampling(args)
     try:
         name, reqs = workload_requests(args.workload, args.vocab_size, args.seed,
                                        args.num_requests, args.quick)
     except (ValueError, OSError) as e:
         raise CLIError(str(e)) from e
+    reqs = with_sampling(reqs, temperature, top_p)
     for c in args.compare:
         if not os.path.isfile(c):
             raise CLIError(f"--compare: no file {c}")
@@ -608,6 +631,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     if all(r["errors"] == r["requests"] for r in runs):
         raise CLIError(f"every request failed; first error: {runs[0]['first_error']}")
     figures = {"workload": name, "url": args.url, "label": args.label, "seed": args.seed,
+               "sampling": {"temperature": temperature, "top_p": top_p},
                "arrival": args.arrival, "runs": runs}
     print_table(figures)
     try:

@@ -3,6 +3,7 @@ HTTP) so both measure exactly the same requests."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -35,12 +36,22 @@ ORCA = Workload("orca", 64, (32, 512), (1, 128))
 @dataclass(frozen=True)
 class BenchRequest:
     """One request of a workload. `prompt_text`, when set, is sent instead of the token ids
-    (requests read from a JSONL file)."""
+    (requests read from a JSONL file). Greedy unless `temperature` is above 0 (`with_sampling`)."""
 
     request_id: str
     prompt_token_ids: list[int]
     max_tokens: int
     prompt_text: str | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+def with_sampling(reqs: list[BenchRequest], temperature: float, top_p: float) -> list[BenchRequest]:
+    """The same requests sampling at `temperature` (0: greedy) within `top_p`, request i seeded
+    with i, so that runs draw the same tokens."""
+    return [dataclasses.replace(r, temperature=temperature, top_p=top_p, seed=i)
+            for i, r in enumerate(reqs)]
 
 
 def make_requests(w: Workload, vocab_size: int, seed: int, prefix: str = "w") -> list[BenchRequest]:

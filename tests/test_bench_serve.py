@@ -16,10 +16,11 @@ from fastapi.responses import StreamingResponse
 
 from shoal.bench_serve import run_sweep
 from shoal.fleet import free_port
-from shoal.workloads import BenchRequest
+from shoal.workloads import BenchRequest, with_sampling
 
 TTFT_S, ITL_S = 0.30, 0.10
 SLACK_S = 0.15  # scheduling noise on a busy 2-core machine; timings are never shorter
+BODIES: list[dict] = []  # every request body the synthetic server received
 
 
 def _synthetic_app() -> FastAPI:
@@ -27,7 +28,8 @@ def _synthetic_app() -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        n = (await request.json())["max_tokens"]
+        BODIES.append(await request.json())
+        n = BODIES[-1]["max_tokens"]
 
         async def body():
             await asyncio.sleep(TTFT_S)
@@ -107,3 +109,14 @@ def test_fixed_concurrency_keeps_that_many_in_flight(synthetic_url):
         assert in_flight <= 2
     one = TTFT_S + ITL_S
     assert run["seconds"] >= 3 * one  # 6 requests, 2 at a time
+
+
+def test_requests_carry_the_sweeps_sampling(synthetic_url):
+    BODIES.clear()
+    reqs = with_sampling(_reqs([1, 2, 1]), 0.8, 0.9)
+    asyncio.run(run_sweep(synthetic_url, reqs, "all", [], [], seed=0, progress=False))
+    assert sorted((b["temperature"], b["top_p"], b["seed"]) for b in BODIES) == \
+        [(0.8, 0.9, 0), (0.8, 0.9, 1), (0.8, 0.9, 2)]
+    BODIES.clear()
+    asyncio.run(run_sweep(synthetic_url, _reqs([1]), "all", [], [], seed=0, progress=False))
+    assert BODIES[0]["temperature"] == 0.0 and "seed" not in BODIES[0]  # greedy by default

@@ -23,7 +23,7 @@ import torch
 
 from shoal.messages import IterationPlan, NewRequest
 from shoal.sampling_params import SamplingParams
-from shoal.workloads import W64, W64_QUICK, BenchRequest, make_requests
+from shoal.workloads import W64, W64_QUICK, BenchRequest, make_requests, with_sampling
 from worker import ops
 from worker.engine import Engine
 from worker.offline import stream
@@ -33,9 +33,10 @@ BASELINE_DTYPE = torch.bfloat16
 
 
 def to_engine_requests(reqs: list[BenchRequest]) -> list[NewRequest]:
-    """Greedy, EOS ignored: every request generates exactly its `max_tokens`."""
+    """EOS ignored: every request generates exactly its `max_tokens`, greedy or as it samples."""
     return [NewRequest(r.request_id, r.prompt_token_ids,
-                       SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True))
+                       SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature,
+                                      top_p=r.top_p, seed=r.seed, ignore_eos=True))
             for r in reqs]
 
 
@@ -150,9 +151,11 @@ def transformers_static_batches(path: Path, dtype: torch.dtype, reqs: list[NewRe
 
 
 def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, baseline: bool,
-                     output: str, seed: int, rounds: int = 3) -> dict:
+                     output: str, seed: int, rounds: int = 3, temperature: float = 0.0,
+                     top_p: float = 1.0) -> dict:
     """Run the benchmark on `engine` (loaded from `path` in `load_s` seconds), print a table and
-    write the figures as JSON to `output`.
+    write the figures as JSON to `output`. W64's requests sample at `temperature` within
+    `top_p` (greedy at 0, the default); the other measures and the baseline are greedy.
 
     The workload runs `rounds` times on the warm engine and the median run (by generated
     tokens/s) is reported, all of them in the JSON: one 3.5-second run of W64 on a shared 2-core
@@ -168,13 +171,16 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
     # that every counted run follows one of its own shape, as a serving engine's do ("once
     # warm", as the issue's vLLM figure). Warmed up on W64-quick alone, the first W64 run was
     # once the slowest of three (586.7 against 601.8 and 597.5 tokens/s, 2-core Zen 5).
+    def requests(s: int, prefix: str) -> list[NewRequest]:
+        return to_engine_requests(with_sampling(make_requests(workload, vocab, s, prefix),
+                                                temperature, top_p))
+
     with console.status("warming up"):
-        run_workload(engine, to_engine_requests(make_requests(workload, vocab, seed + 1, "warm")))
+        run_workload(engine, requests(seed + 1, "warm"))
     runs = []
     for i in range(rounds):
         with console.status(f"{workload.name} through the engine, run {i + 1} of {rounds}"):
-            runs.append(run_workload(engine, to_engine_requests(
-                make_requests(workload, vocab, seed, f"w{i}-"))))
+            runs.append(run_workload(engine, requests(seed, f"w{i}-")))
     ours = sorted(runs, key=lambda r: r["generated_tokens_per_s"])[(rounds - 1) // 2]
     batches = (1, 8) if quick else (1, 8, 32, 64)
     steps = 4 if quick else 32
@@ -203,6 +209,8 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
     table.add_column("value", justify="right")
     table.add_row(f"shoal generated tokens/s (median of {rounds} runs)",
                   f"{ours['generated_tokens_per_s']:.1f}")
+    sampling = f"temperature {temperature}, top_p {top_p}, seeded" if temperature else "greedy"
+    table.add_row("W64 sampling", sampling)
     if rounds > 1:
         table.add_row("shoal generated tokens/s, each run",
                       " / ".join(f"{r['generated_tokens_per_s']:.1f}" for r in runs))
@@ -238,6 +246,7 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
 
     figures = {
         "workload": "W64-quick" if quick else "W64", "seed": seed,
+        "sampling": {"temperature": temperature, "top_p": top_p},
         "dtype": str(cfg.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
         "shoal": ours, "shoal_runs": runs, "transformers_static_batch8": base,
         "decode_tokens_per_s": decode, "single_stream_decode_tokens_per_s": single,
