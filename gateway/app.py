@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -120,6 +120,8 @@ class _Common(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False,
                                       description="above 1 discourages tokens of the prompt and "
                                       "the output (as vLLM's); an extension")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        default=None, description="token id (a string) -> bias added to its logit")
     priority: int = Field(default=0, ge=-100, le=100,
                           description="lower is served first (batch jobs use 1); an extension")
     context_overflow: Literal["error", "reevaluate", "shift"] = Field(
@@ -130,6 +132,16 @@ class _Common(BaseModel):
     n_discard: int | None = Field(default=None, ge=1, le=INT32_MAX)
 
 
+def _unsupported(allowed: tuple, what: str) -> AfterValidator:
+    """Refuses any value but `allowed`: OpenAI's parameters that shoal does not serve get a 400
+    naming them rather than being ignored."""
+    def check(value):
+        if value not in allowed:
+            raise ValueError(f"{what} is not supported")
+        return value
+    return AfterValidator(check)
+
+
 class CompletionRequest(_Common):
     prompt: Annotated[str, Field(min_length=1)] | \
         Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)] | \
@@ -138,6 +150,9 @@ class CompletionRequest(_Common):
     max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX,
                                    description="tokens to generate; default 16, as OpenAI's")
     logprobs: int | None = None
+    echo: Annotated[bool, _unsupported((False,), "echo")] = False
+    best_of: Annotated[int | None, _unsupported((None, 1), "best_of above 1")] = None
+    suffix: Annotated[str | None, _unsupported((None,), "suffix")] = None
 
 
 class ChatMessage(BaseModel):
@@ -151,6 +166,11 @@ class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    top_logprobs: Annotated[int | None, _unsupported((None, 0), "top_logprobs above 0")] = None
+    response_format: Annotated[dict[str, Any] | None, _unsupported(
+        (None, {"type": "text"}), "response_format other than text (structured output)")] = None
+    tools: Annotated[list[Any] | None, _unsupported((None, []), "tools (tool calls)")] = None
+    tool_choice: Annotated[Any, _unsupported((None, "none"), "tool_choice")] = None
 
 
 @dataclass
@@ -297,10 +317,26 @@ class Gateway:
                                   presence_penalty=req.presence_penalty,
                                   frequency_penalty=req.frequency_penalty,
                                   repetition_penalty=req.repetition_penalty,
+                                  logit_bias=self._logit_bias(req.logit_bias),
                                   context_overflow=req.context_overflow, n_keep=req.n_keep,
                                   n_discard=req.n_discard)
         except InvalidSamplingParams as e:
             raise APIError(str(e)) from e
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        """OpenAI's `logit_bias` (token ids as strings) as (token id, bias) pairs.
+
+        Raises:
+            APIError: a key is not a token id of this model's vocabulary.
+        """
+        vocab = len(self.tokenizer)
+        pairs = []
+        for key, value in (bias or {}).items():
+            if not key.isdecimal() or int(key) >= vocab:
+                raise APIError(f"logit_bias: {key!r} is not a token id in [0, {vocab})",
+                               param="logit_bias")
+            pairs.append((int(key), value))
+        return tuple(pairs)
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
         if isinstance(req.prompt, list) and req.prompt and all(isinstance(t, int) for t in req.prompt):

@@ -43,6 +43,8 @@ class SamplingParams:
         repetition_penalty: divides the positive logits and multiplies the negative ones of
             every token the prompt or the output holds (Keskar et al. 2019, CTRL, §4.1; as in
             transformers and vLLM), > 0; 1 disables, above 1 discourages repeats.
+        logit_bias: (token id, bias) pairs: the bias, in [-100, 100], is added to the token's
+            logit before the penalties (OpenAI's API; -100 in effect bans the token).
         context_overflow: what happens when the request's context fills the window: "error"
             (it finishes with finish_reason "length"), or it goes on past the window keeping
             the first `n_keep` tokens (attention sinks, StreamingLLM) and dropping the next
@@ -65,6 +67,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     context_overflow: str = "error"
     n_keep: int = 4
     n_discard: int | None = None
@@ -96,19 +99,28 @@ class SamplingParams:
         if self.n_discard is not None and self.n_discard < 1:
             raise InvalidSamplingParams(f"n_discard must be >= 1, got {self.n_discard}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias):
+            raise InvalidSamplingParams("logit_bias maps token ids (>= 0) to biases in [-100, 100]")
+        if len({t for t, _ in bias}) < len(bias):
+            raise InvalidSamplingParams("logit_bias names a token id twice")
+        object.__setattr__(self, "logit_bias", bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     @property
-    def penalized(self) -> bool:
-        """Whether a penalty reads the request's tokens to change its logits."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+    def adjusts_logits(self) -> bool:
+        """Whether a logit bias or a penalty (which reads the request's tokens) changes its
+        logits before sampling."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["logit_bias"] = [list(pair) for pair in self.logit_bias]  # msgpack maps want str keys
         return d
 
     @classmethod

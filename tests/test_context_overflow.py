@@ -70,6 +70,9 @@ def test_error_mode_stops_at_the_window_and_bad_settings_are_refused():
     bad = engine.step(IterationPlan(admit=[NewRequest("b", [5, 6], SamplingParams(
         context_overflow="shift", n_keep=20, n_discard=20))])).outputs
     assert bad[0].finish_reason == "error" and "n_keep" in bad[0].error
+    bias = engine.step(IterationPlan(admit=[NewRequest("c", [5, 6], SamplingParams(
+        logit_bias=((cfg.vocab_size, 1.0),)))])).outputs
+    assert bias[0].finish_reason == "error" and "logit_bias" in bias[0].error
     with pytest.raises(InvalidSamplingParams, match="context_overflow"):
         SamplingParams(context_overflow="wrap")
 

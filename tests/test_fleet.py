@@ -113,12 +113,21 @@ def test_bad_requests_get_openai_errors(fleet):
         ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                   "repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias"),
+        # OpenAI's parameters that shoal does not serve are refused by name, never ignored.
+        ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ]
     for path, body, param in cases:
         r = httpx.post(fleet["url"] + path, json=body, timeout=30)
         assert r.status_code == 400, (body, r.text)
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and param in (err["param"] or ""), err
+        assert param not in ("echo", "response_format", "tools") or "not supported" in err["message"]
     r = httpx.post(fleet["url"] + "/v1/completions", json={"prompt": "x", "model": "gpt-9"}, timeout=30)
     assert r.status_code == 404 and "gpt-9" in r.json()["error"]["message"]
 
@@ -134,7 +143,7 @@ def test_stop_strings_cut_the_text(fleet, oracle, tokenizer):
     assert choice["text"] == full[: full.index(stop)] and choice["finish_reason"] == "stop"
 
 
-def test_penalties_reach_the_worker(fleet, oracle, tokenizer):
+def test_penalties_and_logit_bias_reach_the_worker(fleet, oracle, tokenizer):
     prompt = "one two three one two three one two three"
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     penalties = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.25}
@@ -143,6 +152,12 @@ def test_penalties_reach_the_worker(fleet, oracle, tokenizer):
     r = httpx.post(fleet["url"] + "/v1/completions", timeout=60,
                    json={"prompt": prompt, "max_tokens": 24, "temperature": 0, **penalties})
     assert r.json()["choices"][0]["text"] == expected
+    fish = tokenizer.encode(" fish", add_special_tokens=False)
+    assert len(fish) == 1
+    r = httpx.post(fleet["url"] + "/v1/completions", timeout=60,
+                   json={"prompt": prompt, "max_tokens": 3, "temperature": 0,
+                         "logit_bias": {str(fish[0]): 100}})
+    assert r.json()["choices"][0]["text"] == " fish" * 3
 
 
 def test_completions_default_to_16_tokens_as_openai(fleet):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shoal.sampling_params import InvalidSamplingParams, SamplingParams
-from worker.sampler import Sampler, _inverse_transform, _sample_top_k_top_p, apply_penalties
+from worker.sampler import Sampler, _inverse_transform, _sample_top_k_top_p, adjust_logits
 
 
 def _draw(logits, params, n, seed=0):
@@ -109,14 +109,16 @@ def _histories(rows, vocab, seed):
 def test_penalties_match_a_per_token_reference():
     vocab = 40
     logits = torch.randn(4, vocab) * 3
-    params = [SamplingParams(repetition_penalty=1.7), SamplingParams(presence_penalty=0.8),
-              SamplingParams(frequency_penalty=-0.6, repetition_penalty=0.5),
+    params = [SamplingParams(repetition_penalty=1.7, logit_bias=((3, 2.5), (39, -100))),
+              SamplingParams(presence_penalty=0.8),
+              SamplingParams(frequency_penalty=-0.6, repetition_penalty=0.5, logit_bias=((0, 7),)),
               SamplingParams(presence_penalty=-1.5, frequency_penalty=1.1, repetition_penalty=1.2)]
     hist = _histories(4, vocab, 0)
-    got = apply_penalties(logits, params, hist)
+    got = adjust_logits(logits, params, hist)
     for r, (p, (ids, n)) in enumerate(zip(params, hist)):
+        bias = dict(p.logit_bias)
         for t in range(vocab):
-            x = float(logits[r, t])
+            x = float(logits[r, t]) + bias.get(t, 0.0)
             c = ids[n:].count(t)
             if t in ids:
                 x = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
@@ -131,9 +133,18 @@ def test_repetition_penalty_matches_transformers():
     vocab = 50
     logits = torch.randn(3, vocab) * 4
     for r, (ids, n) in enumerate(_histories(3, vocab, 1)):
-        ours = apply_penalties(logits[r:r + 1], [SamplingParams(repetition_penalty=1.4)], [(ids, n)])
+        ours = adjust_logits(logits[r:r + 1], [SamplingParams(repetition_penalty=1.4)], [(ids, n)])
         theirs = RepetitionPenaltyLogitsProcessor(1.4)(torch.tensor([ids]), logits[r:r + 1].clone())
         torch.testing.assert_close(ours, theirs)
+
+
+def test_logit_bias_survives_the_wire_and_bans_a_token():
+    p = SamplingParams(temperature=0.0, logit_bias=((4, -100.0), (9, 3.0)))
+    assert SamplingParams.from_dict(p.to_dict()) == p
+    logits = torch.zeros(1, 10)
+    logits[0, 4] = 50.0  # the argmax, until banned
+    tokens, _ = Sampler()(logits, [p], [None], logits.argmax(-1), [([1, 2], 2)])
+    assert tokens == [9]
 
 
 def test_penalized_greedy_rows_pick_from_penalized_logits_and_report_raw_logprobs():
@@ -143,7 +154,7 @@ def test_penalized_greedy_rows_pick_from_penalized_logits_and_report_raw_logprob
     params = [SamplingParams(temperature=0.0, frequency_penalty=2.0, logprobs=True),
               SamplingParams(temperature=0.0)]
     tokens, logprobs = Sampler()(logits.clone(), params, [None, None], logits.argmax(-1), hist)
-    expected = apply_penalties(logits[:1], params[:1], hist[:1])[0].argmax()
+    expected = adjust_logits(logits[:1], params[:1], hist[:1])[0].argmax()
     assert tokens[0] == int(expected) != top  # twice in the output: 4 below its old value
     assert tokens[1] == int(logits[1].argmax())  # no penalty: the given argmax stands
     assert logprobs[0] == pytest.approx(float(torch.log_softmax(logits[0], -1)[tokens[0]]), abs=1e-5)
@@ -155,7 +166,8 @@ def test_penalized_greedy_rows_pick_from_penalized_logits_and_report_raw_logprob
                                 {"top_p": 1.5}, {"top_k": -2}, {"min_tokens": 5, "max_tokens": 2},
                                 {"presence_penalty": 2.5}, {"frequency_penalty": -2.1},
                                 {"repetition_penalty": 0.0}, {"repetition_penalty": float("inf")},
-                                {"presence_penalty": float("nan")}])
+                                {"presence_penalty": float("nan")},
+                                {"logit_bias": ((5, 101.0),)}, {"logit_bias": ((5, 1.0), (5, 2.0))}])
 def test_invalid_sampling_params_are_named(kw):
     with pytest.raises(InvalidSamplingParams, match=next(iter(kw)).split("_")[0]):
         SamplingParams(**kw)

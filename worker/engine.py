@@ -167,9 +167,10 @@ class Engine:
         if req.request_id in self.running:
             raise InvalidRequestError(f"request {req.request_id} is already running")
         vocab = self.model_cfg.vocab_size
-        if any(t < 0 or t >= vocab for t in tokens):
+        if any(t < 0 or t >= vocab for t in tokens) or any(t >= vocab for t, _ in req.params.logit_bias):
             raise InvalidRequestError(
-                f"request {req.request_id}: token ids must be in [0, {vocab})"
+                f"request {req.request_id}: token ids (of the prompt, the output and logit_bias) "
+                f"must be in [0, {vocab})"
             )
         p = req.params
         overflow = p.context_overflow != "error"
