@@ -167,7 +167,8 @@ class Engine:
         if req.request_id in self.running:
             raise InvalidRequestError(f"request {req.request_id} is already running")
         vocab = self.model_cfg.vocab_size
-        if any(t < 0 or t >= vocab for t in tokens) or any(t >= vocab for t, _ in req.params.logit_bias):
+        biased = (t for t, _ in req.params.logit_bias)
+        if any(t < 0 or t >= vocab for t in tokens) or any(t >= vocab for t in biased):
             raise InvalidRequestError(
                 f"request {req.request_id}: token ids (of the prompt, the output and logit_bias) "
                 f"must be in [0, {vocab})"

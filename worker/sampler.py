@@ -1,9 +1,10 @@
 """Sampling the next token of every request in the batch at once.
 
 A request's logit bias and its penalties on tokens it has seen come first (bias, repetition,
-then frequency and presence, in vLLM's order). Greedy rows take the argmax. Other rows are scaled by temperature, cut to their
-top-k and top-p sets, and sampled by inverse transform: one uniform draw `u` from the request's
-own `torch.Generator` picks the first token whose cumulative probability exceeds `u`. A request
+then frequency and presence, in vLLM's order). Greedy rows take the argmax. Other rows are
+scaled by temperature, cut to their top-k and top-p sets, and sampled by inverse transform: one
+uniform draw `u` from the request's own `torch.Generator` picks the first token whose cumulative
+probability reaches `u`. A request
 draws exactly one number per sampled token, so its tokens depend only on its seed and how many
 it has sampled: the same seed gives the same tokens whatever else shares the batch, and a
 request resumed elsewhere with its output so far (`skip_draws`) goes on as if never moved.
@@ -55,7 +56,7 @@ class Sampler:
 
         Raises:
             ValueError: `logits` is None where a row needs them, or `histories` where a row has
-                a penalty.
+                a logit bias or a penalty.
         """
         if logits is None and (argmax is None or self.needs_logits(params)):
             raise ValueError("the logits are needed: a row samples, wants logprobs or has a penalty")
@@ -210,7 +211,7 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
     vocab = logits.shape[1]
     # Only the (row, token) pairs a bias or a history names are touched: keys row * vocab +
     # token into the flat logits. (Dense [rows, vocab] counts and masks cost 37-46 ms at 64
-    # rows of 200 tokens on 2 cores, about half a decode step; this costs under 2.)
+    # rows of 200 tokens on 2 cores, about half a decode step; this about 3.)
     out = logits.clone()
     flat = out.view(-1)
     pairs = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias]
