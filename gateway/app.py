@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal
 
 import redis
@@ -97,6 +97,7 @@ class StreamOptions(BaseModel):
 
 
 INT32_MAX = 2**31 - 1  # bounds that every part (msgpack, torch) can carry
+MAX_CHOICES = 16  # most choices (`n`) of one request
 
 
 class _Common(BaseModel):
@@ -111,7 +112,9 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1, description="only 1 is supported")
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES,
+                   description="choices, each its own request in the fleet (its prompt computed "
+                   "again); with a seed, choice i samples with seed + i")
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     logprobs: Any = None
@@ -180,6 +183,16 @@ class Prepared:
     params: SamplingParams
     stops: list[str]
     priority: int = 0
+
+
+@dataclass
+class _Choice:
+    """One choice of a request run to its end: its text, token ids, logprobs and last event."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    last: TokenEvent | None = None
 
 
 class StopMatcher:
@@ -290,8 +303,6 @@ class Gateway:
 
     def _params(self, req: _Common, max_tokens: int | None, prompt_len: int,
                 logprobs: bool) -> SamplingParams:
-        if req.n != 1:
-            raise APIError("only n=1 is supported", param="n")
         if req.model not in (None, self.model):
             raise APIError(f"model {req.model!r} is not served here; try {self.model!r}",
                            status=404, param="model", kind="not_found_error")
@@ -363,6 +374,17 @@ class Gateway:
                               bool(req.logprobs))
         return Prepared(f"chatcmpl-{uuid.uuid4().hex}", ids, params, _stops(req.stop),
                         req.priority)
+
+    @staticmethod
+    def choices(p: Prepared, n: int) -> list[Prepared]:
+        """The `n` requests of `p`'s choices: `p` itself for one; else ids `<id>-<i>` and, when
+        seeded, seed + i (unseeded choices draw seeds of their own)."""
+        if n == 1:
+            return [p]
+        seed = p.params.seed
+        return [Prepared(f"{p.request_id}-{i}", p.prompt_ids,
+                         replace(p.params, seed=None if seed is None else seed + i),
+                         p.stops, p.priority) for i in range(n)]
 
     # -- running a request ----------------------------------------------------------------------
 
@@ -565,9 +587,51 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-def _usage(ev: TokenEvent) -> dict[str, int]:
-    return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
-            "total_tokens": ev.prompt_tokens + ev.completion_tokens}
+def _usage(*last: TokenEvent) -> dict[str, int]:
+    """Usage of a request from the last event of each of its choices: the prompt counted once."""
+    completion = sum(ev.completion_tokens for ev in last)
+    return {"prompt_tokens": last[0].prompt_tokens, "completion_tokens": completion,
+            "total_tokens": last[0].prompt_tokens + completion}
+
+
+async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """The items of several async iterators as they come, each with its iterator's index.
+
+    One iterator is read directly (no task, no queue: the one-choice request, every streamed
+    token of it). Leaving early cancels the readers, which closes their iterators; an
+    iterator's exception is raised here."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as only:
+            async for item in only:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+    end = object()
+
+    async def read(i: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async with contextlib.aclosing(stream) as it:
+                async for item in it:
+                    queue.put_nowait((i, item, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, raised there
+            queue.put_nowait((i, end, e))
+        else:
+            queue.put_nowait((i, end, None))
+
+    readers = [asyncio.create_task(read(i, st)) for i, st in enumerate(streams)]
+    try:
+        running = len(readers)
+        while running:
+            i, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is end:
+                running -= 1
+            else:
+                yield i, item
+    finally:
+        for r in readers:
+            r.cancel()
 
 
 def _error_chunk(ev: TokenEvent) -> dict[str, Any]:
@@ -735,11 +799,12 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
     async def prometheus_metrics():
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    async def admit(p: Prepared, authorization: str | None, query_key: str | None = None) -> None:
-        """Overload and per-key rate limits, checked before a request is enqueued."""
+    async def admit(ps: list[Prepared], authorization: str | None,
+                    query_key: str | None = None) -> None:
+        """Overload and per-key rate limits, checked before a request (its choices) is enqueued."""
         await gw.check_capacity(settings.max_waiting)
         key = _bearer(authorization) or query_key
-        await gw.charge(key, len(p.prompt_ids) + p.params.max_tokens, settings)
+        await gw.charge(key, sum(len(p.prompt_ids) + p.params.max_tokens for p in ps), settings)
 
     @app.get("/healthz")
     async def healthz():
@@ -756,38 +821,41 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         return {"object": "list", "data": [{"id": gw.model, "object": "model", "created": 0,
                                             "owned_by": "shoal"}]}
 
-    async def _collect(p: Prepared) -> tuple[str, TokenEvent, list[int], list[float | None]]:
-        text, last, ids, lps = "", None, [], []
-        async with contextlib.aclosing(gw.run(p)) as events:
-            async for piece, ev in events:
-                text += piece
-                ids += ev.token_ids
-                lps += ev.logprobs
-                last = ev
-        assert last is not None
-        if last.finish_reason == "error":
-            status = last.error_status or 503
-            raise APIError(last.error or "generation failed", status=status,
-                           kind="invalid_request_error" if status < 500 else "server_error")
-        return text, last, ids, lps
+    async def _collect(ps: list[Prepared]) -> list[_Choice]:
+        """Every choice run to its end; the first failure raises (and cancels the others)."""
+        out = [_Choice() for _ in ps]
+        async for i, (piece, ev) in _merge([gw.run(p) for p in ps]):
+            c = out[i]
+            c.text += piece
+            c.ids += ev.token_ids
+            c.logprobs += ev.logprobs
+            c.last = ev
+            if ev.finish_reason == "error":
+                status = ev.error_status or 503
+                raise APIError(ev.error or "generation failed", status=status,
+                               kind="invalid_request_error" if status < 500 else "server_error")
+        return out
 
-    async def _chunks(p: Prepared, base: dict, req: _Common,
-                      choice: Callable[[str, TokenEvent], dict],
-                      first: dict | None = None) -> AsyncIterator[dict]:
-        """The stream's chunks: `choice(text, event)` shapes each one (completions and chat
-        differ only there); a failure becomes an error object; usage last if asked for."""
+    async def _chunks(ps: list[Prepared], base: dict, req: _Common,
+                      choice: Callable[[int, str, TokenEvent], dict],
+                      first: Callable[[int], dict] | None = None) -> AsyncIterator[dict]:
+        """The stream's chunks: `choice(index, text, event)` shapes each one (completions and
+        chat differ only there), `first(index)` opens each choice; a failure becomes an error
+        object; usage, over all choices, last if asked for."""
         if first is not None:
-            yield first
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        async with contextlib.aclosing(gw.run(p)) as events:
-            async for piece, ev in events:
-                if ev.finish_reason == "error":
-                    yield _error_chunk(ev)
-                    return
-                if piece or ev.finish_reason:
-                    yield {**base, "choices": [choice(piece, ev)]}
-                if ev.finish_reason and include_usage:
-                    yield {**base, "choices": [], "usage": _usage(ev)}
+            for i in range(len(ps)):
+                yield first(i)
+        last: dict[int, TokenEvent] = {}
+        async for i, (piece, ev) in _merge([gw.run(p) for p in ps]):
+            if ev.finish_reason == "error":
+                yield _error_chunk(ev)
+                return
+            if piece or ev.finish_reason:
+                yield {**base, "choices": [choice(i, piece, ev)]}
+            if ev.finish_reason:
+                last[i] = ev
+        if req.stream_options and req.stream_options.include_usage:
+            yield {**base, "choices": [], "usage": _usage(*last.values())}
 
     def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
         async def body():
@@ -799,42 +867,50 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
     @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(req: CompletionRequest, request: Request):
         p = gw.prepare_completion(req)
-        await admit(p, request.headers.get("authorization"))
+        ps = gw.choices(p, req.n)
+        await admit(ps, request.headers.get("authorization"))
         created = int(time.time())
         base = {"id": p.request_id, "object": "text_completion", "created": created, "model": gw.model}
         if req.stream:
-            return _sse(_chunks(p, base, req, lambda piece, ev: {
-                "index": 0, "text": piece, "logprobs": None, "finish_reason": _finish(ev)}))
-        text, last, ids, lps = await _collect(p)
-        logprobs = None
-        if req.logprobs is not None:
-            logprobs = {"tokens": [gw.tokenizer.decode([t]) for t in ids], "token_logprobs": lps,
-                        "top_logprobs": None, "text_offset": None}
-        return {**base, "choices": [{"index": 0, "text": text, "logprobs": logprobs,
-                                     "finish_reason": _finish(last)}], "usage": _usage(last)}
+            return _sse(_chunks(ps, base, req, lambda i, piece, ev: {
+                "index": i, "text": piece, "logprobs": None, "finish_reason": _finish(ev)}))
+        done = await _collect(ps)
+
+        def logprobs(c: _Choice) -> dict | None:
+            if req.logprobs is None:
+                return None
+            return {"tokens": [gw.tokenizer.decode([t]) for t in c.ids], "token_logprobs": c.logprobs,
+                    "top_logprobs": None, "text_offset": None}
+        return {**base, "choices": [{"index": i, "text": c.text, "logprobs": logprobs(c),
+                                     "finish_reason": _finish(c.last)} for i, c in enumerate(done)],
+                "usage": _usage(*(c.last for c in done))}
 
     @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat(req: ChatRequest, request: Request):
         p = gw.prepare_chat(req)
-        await admit(p, request.headers.get("authorization"))
+        ps = gw.choices(p, req.n)
+        await admit(ps, request.headers.get("authorization"))
         created = int(time.time())
         base = {"id": p.request_id, "object": "chat.completion.chunk", "created": created,
                 "model": gw.model}
         if req.stream:
-            first = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                          "finish_reason": None}]}
-            return _sse(_chunks(p, base, req, lambda piece, ev: {
-                "index": 0, "delta": {"content": piece} if piece else {},
-                "finish_reason": _finish(ev)}, first=first))
-        text, last, ids, lps = await _collect(p)
-        logprobs = None
-        if req.logprobs:
-            logprobs = {"content": [{"token": gw.tokenizer.decode([t]), "logprob": lp,
-                                     "top_logprobs": []} for t, lp in zip(ids, lps)]}
+            return _sse(_chunks(ps, base, req, lambda i, piece, ev: {
+                "index": i, "delta": {"content": piece} if piece else {},
+                "finish_reason": _finish(ev)}, first=lambda i: {**base, "choices": [{
+                    "index": i, "delta": {"role": "assistant", "content": ""},
+                    "finish_reason": None}]}))
+        done = await _collect(ps)
+
+        def logprobs(c: _Choice) -> dict | None:
+            if not req.logprobs:
+                return None
+            return {"content": [{"token": gw.tokenizer.decode([t]), "logprob": lp,
+                                 "top_logprobs": []} for t, lp in zip(c.ids, c.logprobs)]}
         return {**base, "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": logprobs, "finish_reason": _finish(last)}],
-                "usage": _usage(last)}
+                "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": logprobs(c), "finish_reason": _finish(c.last)}
+                            for i, c in enumerate(done)],
+                "usage": _usage(*(c.last for c in done))}
 
     @app.websocket("/v1/stream")
     async def stream(ws: WebSocket):
@@ -852,7 +928,9 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
                      else gw.prepare_completion(CompletionRequest(**body)))
             except ValidationError as e:
                 raise APIError(str(e.errors()[0].get("msg"))) from e
-            await admit(p, ws.headers.get("authorization"), ws.query_params.get("api_key"))
+            if body.get("n", 1) != 1:
+                raise APIError("n above 1 is not supported on the WebSocket stream", param="n")
+            await admit([p], ws.headers.get("authorization"), ws.query_params.get("api_key"))
             index = 0
             async with contextlib.aclosing(gw.run(p)) as events:
                 async for piece, ev in events:

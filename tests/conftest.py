@@ -152,8 +152,8 @@ def oracle(fp32_model):
     engine = make_engine(fp32_model)
 
     def run(ids, max_tokens, **params):
-        out = generate(engine, [NewRequest("o", ids, SamplingParams(max_tokens=max_tokens,
-                                                                    temperature=0, **params))])
+        params = SamplingParams(**{"max_tokens": max_tokens, "temperature": 0.0, **params})
+        out = generate(engine, [NewRequest("o", ids, params)])
         return out["o"].token_ids
     return run
 

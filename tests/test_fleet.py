@@ -78,6 +78,10 @@ def test_websocket_receives_the_same_tokens(fleet, oracle, tokenizer):
     assert [m["index"] for m in msgs if m["type"] == "token"] == list(range(len(expected)))
     assert msgs[-1]["usage"]["completion_tokens"] == len(expected)
     assert "".join(m["text"] for m in msgs if m["type"] == "token") == tokenizer.decode(expected, skip_special_tokens=True)
+    with wsc.connect(fleet["url"].replace("http", "ws") + "/v1/stream") as ws:
+        ws.send(json.dumps({"prompt": "The ocean is", "n": 2}))
+        m = json.loads(ws.recv())
+    assert m["type"] == "error" and "n above 1" in m["message"]  # one stream, one choice
 
 
 def test_concurrent_streaming_clients(fleet, oracle, tokenizer):
@@ -105,7 +109,7 @@ def test_concurrent_streaming_clients(fleet, oracle, tokenizer):
 
 def test_bad_requests_get_openai_errors(fleet):
     cases = [
-        ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 17}, "n"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ("/v1/completions", {"prompt": [99999999]}, "prompt"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
@@ -158,6 +162,38 @@ def test_penalties_and_logit_bias_reach_the_worker(fleet, oracle, tokenizer):
                    json={"prompt": prompt, "max_tokens": 3, "temperature": 0,
                          "logit_bias": {str(fish[0]): 100}})
     assert r.json()["choices"][0]["text"] == " fish" * 3
+
+
+def test_n_choices_are_seeded_requests_of_their_own(fleet, oracle, tokenizer):
+    prompt = "Once upon a time"
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    sampling = {"temperature": 0.9, "top_p": 0.95}
+    expected = [tokenizer.decode(oracle(ids, 12, seed=40 + i, **sampling), skip_special_tokens=True)
+                for i in range(3)]
+    assert len(set(expected)) == 3  # the seeds differ, so do the choices
+    r = httpx.post(fleet["url"] + "/v1/completions", timeout=60,
+                   json={"prompt": prompt, "max_tokens": 12, "n": 3, "seed": 40, **sampling}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in r["choices"]] == expected
+    lengths = [len(tokenizer.encode(t, add_special_tokens=False)) for t in expected]
+    assert r["usage"]["prompt_tokens"] == len(ids)
+    assert r["usage"]["completion_tokens"] >= sum(lengths) - 3  # re-encoded text may merge tokens
+
+    chat = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 10,
+            "n": 2, "seed": 7, **sampling}
+    whole = httpx.post(fleet["url"] + "/v1/chat/completions", timeout=60, json=chat).json()
+    texts = {0: "", 1: ""}
+    usage = None
+    with httpx.stream("POST", fleet["url"] + "/v1/chat/completions", timeout=60,
+                      json={**chat, "stream": True, "stream_options": {"include_usage": True}}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                for c in chunk["choices"]:
+                    texts[c["index"]] += c["delta"].get("content", "")
+                usage = chunk.get("usage") or usage
+    assert [texts[0], texts[1]] == [c["message"]["content"] for c in whole["choices"]]
+    assert usage == whole["usage"] and usage["completion_tokens"] > 10  # both choices counted
 
 
 def test_completions_default_to_16_tokens_as_openai(fleet):
