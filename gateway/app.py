@@ -824,16 +824,17 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
     async def _collect(ps: list[Prepared]) -> list[_Choice]:
         """Every choice run to its end; the first failure raises (and cancels the others)."""
         out = [_Choice() for _ in ps]
-        async for i, (piece, ev) in _merge([gw.run(p) for p in ps]):
-            c = out[i]
-            c.text += piece
-            c.ids += ev.token_ids
-            c.logprobs += ev.logprobs
-            c.last = ev
-            if ev.finish_reason == "error":
-                status = ev.error_status or 503
-                raise APIError(ev.error or "generation failed", status=status,
-                               kind="invalid_request_error" if status < 500 else "server_error")
+        async with contextlib.aclosing(_merge([gw.run(p) for p in ps])) as events:
+            async for i, (piece, ev) in events:
+                c = out[i]
+                c.text += piece
+                c.ids += ev.token_ids
+                c.logprobs += ev.logprobs
+                c.last = ev
+                if ev.finish_reason == "error":
+                    status = ev.error_status or 503
+                    raise APIError(ev.error or "generation failed", status=status,
+                                   kind="invalid_request_error" if status < 500 else "server_error")
         return out
 
     async def _chunks(ps: list[Prepared], base: dict, req: _Common,
@@ -846,14 +847,15 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
             for i in range(len(ps)):
                 yield first(i)
         last: dict[int, TokenEvent] = {}
-        async for i, (piece, ev) in _merge([gw.run(p) for p in ps]):
-            if ev.finish_reason == "error":
-                yield _error_chunk(ev)
-                return
-            if piece or ev.finish_reason:
-                yield {**base, "choices": [choice(i, piece, ev)]}
-            if ev.finish_reason:
-                last[i] = ev
+        async with contextlib.aclosing(_merge([gw.run(p) for p in ps])) as events:
+            async for i, (piece, ev) in events:
+                if ev.finish_reason == "error":
+                    yield _error_chunk(ev)
+                    return
+                if piece or ev.finish_reason:
+                    yield {**base, "choices": [choice(i, piece, ev)]}
+                if ev.finish_reason:
+                    last[i] = ev
         if req.stream_options and req.stream_options.include_usage:
             yield {**base, "choices": [], "usage": _usage(*last.values())}
 

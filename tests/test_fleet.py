@@ -4,6 +4,7 @@ model (float32 so the in-process engine is an exact oracle), the official `opena
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import signal
 import subprocess
@@ -302,6 +303,35 @@ def test_placement_follows_free_kv_and_disconnects_free_blocks(fleet):
         client.close()
         big.send_signal(signal.SIGTERM)
         assert big.wait(60) == 0
+
+
+def test_a_client_gone_cancels_every_choice(fleet):
+    import redis
+
+    from shoal.messages import decode
+
+    r = redis.Redis.from_url(fleet["redis"])
+
+    def info():
+        return decode(r.hget("shoal:worker:w0", "info"))
+
+    total = info().num_total_blocks
+    with httpx.Client(timeout=120) as client, client.stream(
+            "POST", fleet["url"] + "/v1/completions", json={
+                "prompt": "Tell a long story.", "max_tokens": 1995, "n": 2, "temperature": 0.8,
+                "ignore_eos": True, "stream": True}) as s:
+        lines = s.iter_lines()
+        seen = {json.loads(line[6:])["choices"][0]["index"] for line in itertools.islice(
+            (x for x in lines if x.startswith("data: {")), 40)}
+        assert seen == {0, 1}
+        deadline = time.monotonic() + 10
+        while info().num_running != 2:  # heartbeats every second carry the running count
+            assert time.monotonic() < deadline, info()
+            time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    while info().num_running or info().num_free_blocks != total:
+        assert time.monotonic() < deadline, info()
+        time.sleep(0.2)
 
 
 def test_worker_drains_on_sigterm(fleet):
