@@ -98,6 +98,8 @@ class StreamOptions(BaseModel):
 
 INT32_MAX = 2**31 - 1  # bounds that every part (msgpack, torch) can carry
 MAX_CHOICES = 16  # most choices (`n`) of one request
+MAX_PROMPTS = 64  # most prompts of one completions request
+MAX_REQUESTS = 256  # most requests (prompts x choices) one API request becomes in the fleet
 
 
 class _Common(BaseModel):
@@ -148,7 +150,9 @@ def _unsupported(allowed: tuple, what: str) -> AfterValidator:
 class CompletionRequest(_Common):
     prompt: Annotated[str, Field(min_length=1)] | \
         Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)] | \
-        Annotated[list[str], Field(min_length=1, max_length=1)]
+        Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | \
+        Annotated[list[Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)]],
+                  Field(min_length=1, max_length=MAX_PROMPTS)]
     # OpenAI's completions API, and vLLM's, default to 16 tokens (chat: up to the window).
     max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX,
                                    description="tokens to generate; default 16, as OpenAI's")
@@ -349,22 +353,43 @@ class Gateway:
             pairs.append((int(key), value))
         return tuple(pairs)
 
-    def prepare_completion(self, req: CompletionRequest) -> Prepared:
-        if isinstance(req.prompt, list) and req.prompt and all(isinstance(t, int) for t in req.prompt):
-            ids = list(req.prompt)
+    def prepare_completion(self, req: CompletionRequest) -> tuple[str, list[Prepared]]:
+        """The response's id and one request per prompt (a string, token ids, or a list of
+        either), in order: the id itself for one prompt, `<id>-<k>` for prompt k of several.
+
+        Raises:
+            APIError: an empty prompt, a token id outside the vocabulary, too many requests.
+        """
+        prompt = req.prompt
+        batch = prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
+        if len(batch) * req.n > MAX_REQUESTS:
+            raise APIError(f"{len(batch)} prompts x n={req.n} choices is more than "
+                           f"{MAX_REQUESTS} requests", param="n")
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        out = []
+        for k, item in enumerate(batch):
+            ids = self._prompt_ids(item)
+            params = self._params(req, req.max_tokens, len(ids), req.logprobs is not None)
+            out.append(Prepared(rid if len(batch) == 1 else f"{rid}-{k}", ids, params,
+                                _stops(req.stop), req.priority))
+        return rid, out
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """One prompt's token ids.
+
+        Raises:
+            APIError: it is empty or names a token id outside the vocabulary.
+        """
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = list(prompt)
             vocab = len(self.tokenizer)
             if any(t < 0 or t >= vocab for t in ids):
                 raise APIError(f"token ids must be in [0, {vocab})", param="prompt")
-        elif isinstance(req.prompt, str):
-            ids = self.tokenizer.encode(req.prompt, add_special_tokens=False)
-        elif isinstance(req.prompt, list) and len(req.prompt) == 1 and isinstance(req.prompt[0], str):
-            ids = self.tokenizer.encode(req.prompt[0], add_special_tokens=False)
-        else:
-            raise APIError("prompt must be a string or a list of token ids", param="prompt")
         if not ids:
             raise APIError("the prompt is empty", param="prompt")
-        params = self._params(req, req.max_tokens, len(ids), req.logprobs is not None)
-        return Prepared(f"cmpl-{uuid.uuid4().hex}", ids, params, _stops(req.stop), req.priority)
+        return ids
 
     def prepare_chat(self, req: ChatRequest) -> Prepared:
         ids = list(self.tokenizer.apply_chat_template(
@@ -376,15 +401,15 @@ class Gateway:
                         req.priority)
 
     @staticmethod
-    def choices(p: Prepared, n: int) -> list[Prepared]:
-        """The `n` requests of `p`'s choices: `p` itself for one; else ids `<id>-<i>` and, when
-        seeded, seed + i (unseeded choices draw seeds of their own)."""
+    def choices(prompts: list[Prepared], n: int) -> list[Prepared]:
+        """The requests of `n` choices of each prompt, in OpenAI's order (choice index k * n + i
+        is choice i of prompt k): the prompts themselves for n = 1; else ids `<id>-<i>` and,
+        when seeded, seed + i (unseeded choices draw seeds of their own)."""
         if n == 1:
-            return [p]
-        seed = p.params.seed
+            return prompts
         return [Prepared(f"{p.request_id}-{i}", p.prompt_ids,
-                         replace(p.params, seed=None if seed is None else seed + i),
-                         p.stops, p.priority) for i in range(n)]
+                         replace(p.params, seed=None if p.params.seed is None else p.params.seed + i),
+                         p.stops, p.priority) for p in prompts for i in range(n)]
 
     # -- running a request ----------------------------------------------------------------------
 
@@ -587,11 +612,13 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-def _usage(*last: TokenEvent) -> dict[str, int]:
-    """Usage of a request from the last event of each of its choices: the prompt counted once."""
+def _usage(prompts: list[Prepared], *last: TokenEvent) -> dict[str, int]:
+    """Usage of an API request: its prompts, each counted once however many choices it has, and
+    the tokens of every choice (from each one's last event)."""
+    prompt = sum(len(p.prompt_ids) for p in prompts)
     completion = sum(ev.completion_tokens for ev in last)
-    return {"prompt_tokens": last[0].prompt_tokens, "completion_tokens": completion,
-            "total_tokens": last[0].prompt_tokens + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
 
 
 async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
@@ -837,7 +864,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
                                    kind="invalid_request_error" if status < 500 else "server_error")
         return out
 
-    async def _chunks(ps: list[Prepared], base: dict, req: _Common,
+    async def _chunks(prompts: list[Prepared], ps: list[Prepared], base: dict, req: _Common,
                       choice: Callable[[int, str, TokenEvent], dict],
                       first: Callable[[int], dict] | None = None) -> AsyncIterator[dict]:
         """The stream's chunks: `choice(index, text, event)` shapes each one (completions and
@@ -857,7 +884,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
                 if ev.finish_reason:
                     last[i] = ev
         if req.stream_options and req.stream_options.include_usage:
-            yield {**base, "choices": [], "usage": _usage(*last.values())}
+            yield {**base, "choices": [], "usage": _usage(prompts, *last.values())}
 
     def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
         async def body():
@@ -868,13 +895,13 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
 
     @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(req: CompletionRequest, request: Request):
-        p = gw.prepare_completion(req)
-        ps = gw.choices(p, req.n)
+        rid, prompts = gw.prepare_completion(req)
+        ps = gw.choices(prompts, req.n)
         await admit(ps, request.headers.get("authorization"))
         created = int(time.time())
-        base = {"id": p.request_id, "object": "text_completion", "created": created, "model": gw.model}
+        base = {"id": rid, "object": "text_completion", "created": created, "model": gw.model}
         if req.stream:
-            return _sse(_chunks(ps, base, req, lambda i, piece, ev: {
+            return _sse(_chunks(prompts, ps, base, req, lambda i, piece, ev: {
                 "index": i, "text": piece, "logprobs": None, "finish_reason": _finish(ev)}))
         done = await _collect(ps)
 
@@ -885,18 +912,18 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
                     "top_logprobs": None, "text_offset": None}
         return {**base, "choices": [{"index": i, "text": c.text, "logprobs": logprobs(c),
                                      "finish_reason": _finish(c.last)} for i, c in enumerate(done)],
-                "usage": _usage(*(c.last for c in done))}
+                "usage": _usage(prompts, *(c.last for c in done))}
 
     @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat(req: ChatRequest, request: Request):
         p = gw.prepare_chat(req)
-        ps = gw.choices(p, req.n)
+        ps = gw.choices([p], req.n)
         await admit(ps, request.headers.get("authorization"))
         created = int(time.time())
         base = {"id": p.request_id, "object": "chat.completion.chunk", "created": created,
                 "model": gw.model}
         if req.stream:
-            return _sse(_chunks(ps, base, req, lambda i, piece, ev: {
+            return _sse(_chunks([p], ps, base, req, lambda i, piece, ev: {
                 "index": i, "delta": {"content": piece} if piece else {},
                 "finish_reason": _finish(ev)}, first=lambda i: {**base, "choices": [{
                     "index": i, "delta": {"role": "assistant", "content": ""},
@@ -912,7 +939,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
                 "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
                              "logprobs": logprobs(c), "finish_reason": _finish(c.last)}
                             for i, c in enumerate(done)],
-                "usage": _usage(*(c.last for c in done))}
+                "usage": _usage([p], *(c.last for c in done))}
 
     @app.websocket("/v1/stream")
     async def stream(ws: WebSocket):
@@ -926,12 +953,13 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         try:
             body = await ws.receive_json()
             try:
-                p = (gw.prepare_chat(ChatRequest(**body)) if "messages" in body
-                     else gw.prepare_completion(CompletionRequest(**body)))
+                prompts = ([gw.prepare_chat(ChatRequest(**body))] if "messages" in body
+                           else gw.prepare_completion(CompletionRequest(**body))[1])
             except ValidationError as e:
                 raise APIError(str(e.errors()[0].get("msg"))) from e
-            if body.get("n", 1) != 1:
-                raise APIError("n above 1 is not supported on the WebSocket stream", param="n")
+            if body.get("n", 1) != 1 or len(prompts) != 1:
+                raise APIError("one prompt and one choice (n = 1) per WebSocket stream", param="n")
+            p = prompts[0]
             await admit([p], ws.headers.get("authorization"), ws.query_params.get("api_key"))
             index = 0
             async with contextlib.aclosing(gw.run(p)) as events:
@@ -944,7 +972,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
                         raise APIError(ev.error or "generation failed", status=ev.error_status or 503)
                     if ev.finish_reason:
                         await ws.send_json({"type": "done", "finish_reason": _finish(ev),
-                                            "usage": _usage(ev)})
+                                            "usage": _usage([p], ev)})
         except APIError as e:
             metrics.REQUESTS.labels("/v1/stream", str(e.status)).inc()
             await ws.send_json({"type": "error", "message": str(e)})

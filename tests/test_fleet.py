@@ -82,7 +82,7 @@ def test_websocket_receives_the_same_tokens(fleet, oracle, tokenizer):
     with wsc.connect(fleet["url"].replace("http", "ws") + "/v1/stream") as ws:
         ws.send(json.dumps({"prompt": "The ocean is", "n": 2}))
         m = json.loads(ws.recv())
-    assert m["type"] == "error" and "n above 1" in m["message"]  # one stream, one choice
+    assert m["type"] == "error" and "one choice" in m["message"]  # one stream, one choice
 
 
 def test_concurrent_streaming_clients(fleet, oracle, tokenizer):
@@ -303,6 +303,31 @@ def test_placement_follows_free_kv_and_disconnects_free_blocks(fleet):
         client.close()
         big.send_signal(signal.SIGTERM)
         assert big.wait(60) == 0
+
+
+def test_a_batch_of_prompts_gets_its_choices_in_order(fleet, oracle, tokenizer):
+    prompts = ["The sky is", "My favourite food is"]
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in prompts]
+    expected = [tokenizer.decode(oracle(i, 6), skip_special_tokens=True) for i in ids]
+    assert expected[0] != expected[1]
+    for prompt in (prompts, ids):  # strings, or lists of token ids
+        r = httpx.post(fleet["url"] + "/v1/completions", timeout=60,
+                       json={"prompt": prompt, "max_tokens": 6, "temperature": 0, "n": 2}).json()
+        # Choice k * n + i is choice i of prompt k (OpenAI's order); greedy choices agree.
+        assert [(c["index"], c["text"]) for c in r["choices"]] == \
+            [(0, expected[0]), (1, expected[0]), (2, expected[1]), (3, expected[1])]
+        assert r["usage"]["prompt_tokens"] == len(ids[0]) + len(ids[1])  # each prompt once
+    text: dict[int, str] = {}
+    with httpx.stream("POST", fleet["url"] + "/v1/completions", timeout=60, json={
+            "prompt": prompts, "max_tokens": 6, "temperature": 0, "stream": True}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    text[c["index"]] = text.get(c["index"], "") + c["text"]
+    assert text == {0: expected[0], 1: expected[1]}
+    too_many = httpx.post(fleet["url"] + "/v1/completions", timeout=60,
+                          json={"prompt": ["x"] * 20, "n": 16})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
 
 
 def test_a_client_gone_cancels_every_choice(fleet):

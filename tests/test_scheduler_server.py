@@ -60,7 +60,7 @@ def test_the_scheduler_sleeps_until_a_request_or_a_cancel_rings(redis_url, monke
             assert first is not None and decode(first[1]).reset
             time.sleep(0.3)  # the scheduler is now asleep in its BLPOP
 
-            p = gw.prepare_completion(CompletionRequest(prompt="Hello", max_tokens=8))
+            p = gw.prepare_completion(CompletionRequest(prompt="Hello", max_tokens=8))[1][0]
             events = gw.run(p)
             waiter = asyncio.ensure_future(events.__anext__())  # submits, then waits for tokens
             item = await asyncio.to_thread(r.blpop, [keys.plans("w-sim")], 20)
