@@ -339,7 +339,8 @@ class Engine:
             s.num_computed_tokens += c
         if not samplers:
             return []
-        # Greedy rows that want no logprobs, ban no token and have no penalty need only the argmax.
+        # Greedy rows that want no logprobs, ban no token and adjust no logit (bias, penalty)
+        # need only the argmax.
         params = [s.params for s in samplers]
         full = (self.keep_logits or self.sampler.needs_logits(params)
                 or any(self._banned_tokens(s) for s in samplers))

@@ -381,8 +381,9 @@ class Linear:
         kernels: the C++ kernels quantize and dequantize activations (`worker.ops`), serve
             float32 iterations of up to `LANES_MAX_ROWS` rows from weights in the lanes layout
             (`shoal::int8_linear`, `shoal::int4_linear`, and unquantized with `pack`
-            `shoal::f32_linear`; out_features and in_features multiples of 32), int4 at every size, float32 or bfloat16, through
-            `shoal::int4_q8_linear` where it is built (not on AMX CPUs), and serve bfloat16 iterations of up to AMX_MAX_ROWS rows on AMX
+            `shoal::f32_linear`; out_features and in_features multiples of 32), int4 at every
+            size, float32 or bfloat16, through `shoal::int4_q8_linear` where it is built (not
+            on AMX CPUs), and serve bfloat16 iterations of up to AMX_MAX_ROWS rows on AMX
             tiles where the CPU has them, else of up to `dp_max_rows` rows with AVX512_BF16
             (out_features and in_features multiples of 32; a packed copy of the weight, the only
             one kept when it serves every size).
@@ -435,7 +436,7 @@ class Linear:
         # float32 weights: torch's weight-only kernels were slower than the unquantized matmul
         # (table above), so few-row iterations take shoal's lanes kernels, activations in float32;
         # unquantized ones too, where oneDNN reads the weights at half the memory's speed.
-        self.lanes: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.lanes: tuple[torch.Tensor, ...] | None = None  # the arguments after x of lanes_op
         self.lanes_max_rows = 0
         self.lanes_op = None  # the shoal kernel that takes `lanes`
         if int4_q8:
