@@ -115,8 +115,9 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES,
-                   description="choices, each its own request in the fleet (its prompt computed "
-                   "again); with a seed, choice i samples with seed + i")
+                   description="choices, each its own request in the fleet (sharing the "
+                   "prompt's K/V through the prefix cache); with a seed, choice i samples with "
+                   "seed + i")
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     logprobs: Any = None
@@ -135,6 +136,10 @@ class _Common(BaseModel):
         "(reevaluate) or rotating cached keys (shift); an extension")
     n_keep: int = Field(default=4, ge=0, le=INT32_MAX)
     n_discard: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    cache_salt: str | None = Field(
+        default=None, min_length=1, max_length=256,
+        description="requests share cached prompt K/V (prefix caching) only with requests of "
+        "the same salt (as vLLM's)")
 
 
 def _unsupported(allowed: tuple, what: str) -> AfterValidator:
@@ -334,7 +339,7 @@ class Gateway:
                                   repetition_penalty=req.repetition_penalty,
                                   logit_bias=self._logit_bias(req.logit_bias),
                                   context_overflow=req.context_overflow, n_keep=req.n_keep,
-                                  n_discard=req.n_discard)
+                                  n_discard=req.n_discard, cache_salt=req.cache_salt)
         except InvalidSamplingParams as e:
             raise APIError(str(e)) from e
 

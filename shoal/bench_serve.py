@@ -24,6 +24,7 @@ import json
 import random
 import statistics
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -84,12 +85,14 @@ def workload_requests(spec: str, vocab_size: int, seed: int, num_requests: int |
 
 
 async def send_one(client: aiohttp.ClientSession, url: str, model: str | None, r: BenchRequest,
-                   run_start: float) -> RequestTiming:
-    """Send one streaming request and time it."""
+                   run_start: float, cache_salt: str | None = None) -> RequestTiming:
+    """Send one streaming request (with `cache_salt` when given) and time it."""
     timing = RequestTiming(r.request_id, len(r.prompt_token_ids), r.max_tokens)
     body = {"prompt": r.prompt_text if r.prompt_text is not None else r.prompt_token_ids,
             "max_tokens": r.max_tokens, "temperature": r.temperature, "top_p": r.top_p,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     if r.seed is not None:
         body["seed"] = r.seed
     if model:
@@ -129,13 +132,17 @@ async def send_one(client: aiohttp.ClientSession, url: str, model: str | None, r
 
 async def run_once(client: aiohttp.ClientSession, url: str, model: str | None,
                    reqs: list[BenchRequest], arrival: str, rate: float | None,
-                   concurrency: int | None, seed: int, on_done=None) -> tuple[list[RequestTiming], float]:
+                   concurrency: int | None, seed: int, on_done=None,
+                   salted: bool = True) -> tuple[list[RequestTiming], float]:
     """One run of the workload under one arrival pattern; returns the timings and its length
-    in seconds (first send to last answer)."""
+    in seconds (first send to last answer). With `salted`, the run's requests carry a
+    `cache_salt` of its own, so that they find nothing an earlier run left in the server's
+    prefix cache: every run of a sweep computes the same prompts."""
     start = time.perf_counter()
+    salt = f"bench-{uuid.uuid4().hex}" if salted else None
 
     async def timed(r: BenchRequest) -> RequestTiming:
-        t = await send_one(client, url, model, r, start)
+        t = await send_one(client, url, model, r, start, salt)
         if on_done:
             on_done()
         return t
@@ -196,8 +203,10 @@ def summarize(timings: list[RequestTiming], seconds: float) -> dict:
 
 async def run_sweep(url: str, reqs: list[BenchRequest], arrival: str, rates: list[float],
                     concurrencies: list[int], seed: int, model: str | None = None,
-                    warmup: list[BenchRequest] | None = None, progress: bool = True) -> list[dict]:
-    """Every run of the sweep (one per rate or concurrency; one for `all`), in order."""
+                    warmup: list[BenchRequest] | None = None, progress: bool = True,
+                    salted: bool = True) -> list[dict]:
+    """Every run of the sweep (one per rate or concurrency; one for `all`), in order; `salted`
+    as in `run_once`."""
     points: list[tuple[float | None, int | None]]
     if arrival == "poisson":
         points = [(r, None) for r in rates]
@@ -211,13 +220,14 @@ async def run_sweep(url: str, reqs: list[BenchRequest], arrival: str, rates: lis
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
                                      connector=aiohttp.TCPConnector(limit=1024)) as client:
         if warmup:
-            await asyncio.gather(*(send_one(client, url, model, r, time.perf_counter())
+            salt = f"bench-{uuid.uuid4().hex}" if salted else None
+            await asyncio.gather(*(send_one(client, url, model, r, time.perf_counter(), salt)
                                    for r in warmup))
         with Progress(disable=not progress, transient=True) as bar:
             task = bar.add_task("requests", total=len(points) * len(reqs))
             for rate, conc in points:
                 timings, seconds = await run_once(client, url, model, reqs, arrival, rate, conc,
-                                                  seed, lambda: bar.advance(task))
+                                                  seed, lambda: bar.advance(task), salted)
                 runs.append({"arrival": arrival, "rate": rate, "concurrency": conc,
                              **summarize(timings, seconds),
                              "per_request": [{**asdict(t), "normalized_latency_s":

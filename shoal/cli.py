@@ -65,6 +65,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu)")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="auto: triton on CUDA, the torch path (C++ kernels) on the CPU")
+    _add_prefix_caching_arg(p)
+
+
+def _add_prefix_caching_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the K/V blocks of prompt prefixes already computed (default on; "
+                        "requests share only with requests of the same cache_salt)")
 
 
 DEFAULT_HEALTH_URL = "http://127.0.0.1:8000/healthz"
@@ -172,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="every worker's attention backend (auto: triton on CUDA, else torch)")
     _add_tensor_parallel_arg(u)
+    _add_prefix_caching_arg(u)
     u.add_argument("--policy", choices=POLICIES, default="reserve", help="the scheduler's policy")
     u.add_argument("--jobs", action="store_true",
                    help="also start a Celery worker for batch jobs (/v1/jobs)")
@@ -241,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="another sweep's JSON to draw beside this one (repeatable)")
     bs.add_argument("--quick", action="store_true", help="a small run (figures not meaningful)")
     bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--no-cache-salt", dest="cache_salt", action="store_false",
+                    help="send no cache_salt (each run sends its own, so that a run finds "
+                         "nothing of an earlier one in the prefix cache); for servers that "
+                         "refuse the field")
     _add_bench_sampling_args(bs)
     bs.add_argument("--vocab-size", type=_positive_int, default=49152,
                     help="token ids of random prompts are drawn below this")
@@ -277,6 +289,7 @@ def _engine_config(args: argparse.Namespace):
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, quantization=args.quantization,
             device=args.device, attention_backend=args.attention_backend,
+            enable_prefix_caching=args.enable_prefix_caching,
         )
     except ValueError as e:
         raise CLIError(str(e)) from e
@@ -507,7 +520,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     worker_args = ["--dtype", args.dtype, "--quantization", args.quantization,
                    "--attention-backend", args.attention_backend,
-                   "--tensor-parallel-size", str(args.tensor_parallel_size)]
+                   "--tensor-parallel-size", str(args.tensor_parallel_size),
+                   "--enable-prefix-caching" if args.enable_prefix_caching
+                   else "--no-enable-prefix-caching"]
     for flag, value in (("--model", args.model), ("--kv-cache-bytes", args.kv_cache_bytes),
                         ("--max-model-len", args.max_model_len), ("--threads", args.threads)):
         if value is not None:
@@ -627,7 +642,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
             raise CLIError(f"--compare: no file {c}")
     warmup = make_requests(W64_QUICK, args.vocab_size, args.seed + 1, "warm")
     runs = asyncio.run(run_sweep(args.url, reqs, args.arrival, rates, concurrencies, args.seed,
-                                 warmup=warmup))
+                                 warmup=warmup, salted=args.cache_salt))
     if all(r["errors"] == r["requests"] for r in runs):
         raise CLIError(f"every request failed; first error: {runs[0]['first_error']}")
     figures = {"workload": name, "url": args.url, "label": args.label, "seed": args.seed,

@@ -53,6 +53,9 @@ class SamplingParams:
         n_keep: tokens kept at the start of the context (>= 0).
         n_discard: tokens dropped after them each time the window fills; None means half of the
             window after the kept tokens.
+        cache_salt: requests share cached prompt K/V (prefix caching) only with requests of
+            the same salt (vLLM's `cache_salt`): a tenant's own salt keeps others from timing
+            its prompts; None shares with every other unsalted request.
     """
 
     max_tokens: int = 16
@@ -71,6 +74,7 @@ class SamplingParams:
     context_overflow: str = "error"
     n_keep: int = 4
     n_discard: int | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -98,6 +102,8 @@ class SamplingParams:
             raise InvalidSamplingParams(f"n_keep must be >= 0, got {self.n_keep}")
         if self.n_discard is not None and self.n_discard < 1:
             raise InvalidSamplingParams(f"n_discard must be >= 1, got {self.n_discard}")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise InvalidSamplingParams("cache_salt must be a non-empty string when given")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias):

@@ -41,7 +41,9 @@ def to_engine_requests(reqs: list[BenchRequest]) -> list[NewRequest]:
 
 
 def run_workload(engine: Engine, reqs: list[NewRequest]) -> dict[str, float]:
-    """All requests submitted at t=0; returns throughput and per-token latency figures."""
+    """All requests submitted at t=0; returns throughput and per-token latency figures. The
+    prefix cache is emptied first: a run repeating another's prompts computes them again."""
+    engine.reset_prefix_cache()
     t0 = time.perf_counter()
     finished_at: dict[str, float] = {}
     generated = 0
@@ -80,7 +82,9 @@ def decode_throughput(engine: Engine, batch: int, prompt_len: int, steps: int) -
 
 
 def prefill_throughput(engine: Engine, num: int, prompt_len: int) -> float:
-    """Tokens/s of one iteration prefilling `num` prompts of `prompt_len` tokens."""
+    """Tokens/s of one iteration prefilling `num` prompts of `prompt_len` tokens (none from the
+    prefix cache)."""
+    engine.reset_prefix_cache()
     reqs = [NewRequest(f"p{i}", [(3 * i + j) % 1000 + 10 for j in range(prompt_len)],
                        SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
             for i in range(num)]

@@ -76,6 +76,9 @@ class EngineConfig:
         device: "cpu", "cuda" or "cuda:N"; None is CUDA where torch sees one, else the CPU.
         attention_backend: "auto" (Triton on CUDA, the torch path on the CPU), "torch" or
             "triton" (worker.attention.make_backend).
+        enable_prefix_caching: requests whose prompts begin with the same full blocks of tokens
+            (and carry the same `cache_salt`) share those blocks' K/V instead of computing them
+            again; blocks no request owns stay cached until evicted (worker.kv_cache).
     """
 
     dtype: torch.dtype = torch.bfloat16
@@ -89,6 +92,7 @@ class EngineConfig:
     fast_paths: bool = True
     device: str | None = None
     attention_backend: str = "auto"
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

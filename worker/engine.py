@@ -4,7 +4,9 @@
 iteration (every decode, then prefill chunks FCFS within `max_num_batched_tokens`: chunked
 prefill), grows block tables, runs the model once over the flat batch, samples, and retires
 finished requests, freeing their K/V blocks at once (Orca, OSDI'22, §4.1: iteration-level
-scheduling; §4.2: selective batching).
+scheduling; §4.2: selective batching). With prefix caching, a request that has not started takes
+the cached blocks of the longest prefix of full blocks it shares with earlier requests and
+prefills only the rest; the blocks each iteration fills are registered for later ones.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from shoal.messages import IterationPlan, IterationResult, NewRequest, TokenOutp
 from shoal.sampling_params import SamplingParams
 from worker.attention import build_metadata
 from worker.config import EngineConfig, ModelConfig, default_device
-from worker.kv_cache import KVCache, KVCacheFullError
+from worker.kv_cache import KVCache, KVCacheFullError, block_hashes
 from worker.loader import load_model
 from worker.model import LlamaModel
 from worker.sampler import Sampler, skip_draws
@@ -46,6 +48,13 @@ class Sequence:
         num_discarded: tokens dropped from the context after the first `params.n_keep` when
             it overflowed the window (`params.context_overflow`); the context is
             `token_ids[:n_keep] + token_ids[n_keep + num_discarded:]`, positions renumbered.
+        caches_prefix: the request reads and fills the prefix cache (the engine's
+            `enable_prefix_caching`, and a request that never drops tokens from its context:
+            the shifts of `context_overflow` rewrite blocks in place).
+        block_hashes: prefix-cache keys of the first full blocks of `token_ids`
+            (`worker.kv_cache.block_hashes`), as far as computed.
+        num_registered_blocks: leading blocks of `block_table` taken from or entered into the
+            prefix cache.
     """
 
     request_id: str
@@ -56,6 +65,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_discarded: int = 0
+    caches_prefix: bool = False
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -107,6 +119,9 @@ class Engine:
         self.running: dict[str, Sequence] = {}
         self.keep_logits = keep_logits
         self.last_logits: dict[str, torch.Tensor] = {}
+        # Prompt tokens looked up in the prefix cache and found there, since the start.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @staticmethod
     def build_parts(model_cfg: ModelConfig, weights: dict[str, torch.Tensor], cfg: EngineConfig,
@@ -194,7 +209,8 @@ class Engine:
                 gen.manual_seed(req.params.seed)
                 # Resumed (preempted or moved): go on from where its tokens left the stream.
                 skip_draws(gen, len(req.output_token_ids))
-        seq = Sequence(req.request_id, tokens, len(req.prompt_token_ids), req.params, gen)
+        seq = Sequence(req.request_id, tokens, len(req.prompt_token_ids), req.params, gen,
+                       caches_prefix=self.cfg.enable_prefix_caching and not overflow)
         while overflow and seq.context_len >= self.max_model_len:  # a migrated long request
             seq.num_discarded += self.n_discard(p)
         self.running[req.request_id] = seq
@@ -224,6 +240,40 @@ class Engine:
             self.kv_cache.truncate(s.block_table, s.num_computed_tokens)
         s.num_discarded += drop
 
+    def _reuse_cached_prefix(self, s: Sequence) -> None:
+        """Give a request that has not started the cached blocks of its longest prefix of full
+        blocks (at most all but its last token: that one's logits are needed), which it then
+        owns with the requests that share them; it prefills from there."""
+        bs = self.cfg.block_size
+        if not s.block_hashes:
+            s.block_hashes = block_hashes(s.token_ids[: (len(s.token_ids) - 1) // bs * bs], bs,
+                                          s.params.cache_salt)
+            self.prefix_cache_queries += len(s.token_ids)
+        hits = self.kv_cache.allocator.lookup(s.block_hashes)
+        if hits:
+            self.kv_cache.allocator.share(hits)
+            s.block_table[:] = hits
+            s.num_registered_blocks = len(hits)
+            s.num_computed_tokens = len(hits) * bs
+            self.prefix_cache_hits += s.num_computed_tokens
+
+    def _register_full_blocks(self, s: Sequence) -> None:
+        """Enter the blocks `s` has filled since the last call into the prefix cache."""
+        bs = self.cfg.block_size
+        full = s.num_computed_tokens // bs
+        if full <= s.num_registered_blocks:
+            return
+        if len(s.block_hashes) < full:
+            s.block_hashes = block_hashes(s.token_ids[: full * bs], bs, s.params.cache_salt,
+                                          s.block_hashes)
+        for j in range(s.num_registered_blocks, full):
+            self.kv_cache.allocator.register(s.block_table[j], s.block_hashes[j])
+        s.num_registered_blocks = full
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (benchmarks: repeated requests then compute again)."""
+        self.kv_cache.allocator.reset_prefix_cache()
+
     def release(self, request_id: str) -> bool:
         """Drop a request and free its blocks. Returns False if it was not running."""
         seq = self.running.pop(request_id, None)
@@ -246,8 +296,9 @@ class Engine:
 
         Raises:
             KVCacheFullError: the requests chosen need more blocks than are free. The plan's
-                releases and admissions have taken effect, no token was computed and no block
-                taken; the caller preempts (releases) something and steps again.
+                releases and admissions have taken effect, requests that had not started may
+                have taken cached prefix blocks, no token was computed and no block allocated;
+                the caller preempts (releases) something and steps again.
         """
         t0 = time.perf_counter()
         plan = plan or IterationPlan()
@@ -269,6 +320,8 @@ class Engine:
         for s in seqs:
             if s.params.context_overflow != "error" and s.context_len >= self.max_model_len:
                 self._overflow(s)
+            elif s.caches_prefix and not s.block_table:
+                self._reuse_cached_prefix(s)
         decodes, prefills = self._schedule(seqs[: self.cfg.max_num_seqs])
         num_decode, num_prefill = len(decodes), sum(c for _, c in prefills)
         if decodes or prefills:
@@ -284,14 +337,23 @@ class Engine:
 
     def _schedule(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
         """Decodes first (one token each), then prefill chunks FCFS within the token budget.
-        Grows every chosen request's block table, all or nothing."""
+        Grows every chosen request's block table, all or nothing.
+
+        A request that would start by computing the same first block as an earlier one in
+        this iteration waits one iteration and then finds that block, and what follows it, in
+        the prefix cache (the n choices of one prompt, a shared system prompt)."""
         decodes = [s for s in seqs if s.num_uncomputed_tokens == 1]
         budget = self.cfg.max_num_batched_tokens - len(decodes)
         prefills: list[tuple[Sequence, int]] = []
+        starting: set[bytes] = set()  # first blocks that prefills compute in this iteration
         for s in seqs:
             if budget <= 0:
                 break
             if s.num_uncomputed_tokens > 1:
+                if s.num_computed_tokens == 0 and s.block_hashes:
+                    if s.block_hashes[0] in starting:
+                        continue
+                    starting.add(s.block_hashes[0])
                 chunk = min(s.num_uncomputed_tokens, budget)
                 prefills.append((s, chunk))
                 budget -= chunk
@@ -337,6 +399,9 @@ class Engine:
             s.num_computed_tokens += 1
         for s, c in prefills:
             s.num_computed_tokens += c
+        for s in decodes + [s for s, _ in prefills]:
+            if s.caches_prefix:
+                self._register_full_blocks(s)
         if not samplers:
             return []
         # Greedy rows that want no logprobs, ban no token and adjust no logit (bias, penalty)

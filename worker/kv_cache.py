@@ -7,13 +7,18 @@ the block instead of one horizontal reduction per token (see worker/attention.py
 
 Accounting follows vLLM's PagedAttention (Kwon et al., SOSP'23, §4.2): a request owns the blocks
 listed in its block table; `num_free_blocks` / `num_total_blocks` are what the worker advertises and
-what the scheduler places requests by.
+what the scheduler places requests by. With prefix caching, requests whose prompts begin alike
+share the blocks of that beginning, and blocks no request owns keep their K/V until evicted
+(`BlockAllocator`); they count as free.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import os
+from array import array
+from collections import OrderedDict
 
 import torch
 
@@ -26,7 +31,14 @@ class KVCacheFullError(RuntimeError):
 
 
 class BlockAllocator:
-    """Hands out block ids `0 .. num_blocks - 1`; each is free or owned by exactly one request.
+    """Hands out block ids `0 .. num_blocks - 1` and keeps the prefix cache's index over them.
+
+    A block is free, or owned by one or more requests (a reference count: requests whose
+    prompts begin alike share the blocks of that beginning, `lookup` / `share`), or cached: owned
+    by none but still holding the K/V of a registered block hash, so that a later request with
+    that prefix can take it back. Cached blocks count as free; an allocation takes plain free
+    blocks first and then evicts the least recently freed cached ones (vLLM's automatic prefix
+    caching: Kwon et al., SOSP'23, §4.4 "shared prefix"; vLLM v1 `BlockPool`).
 
     The lowest free ids go first (a min-heap), so the blocks a prefill takes together come out
     ascending and, where the free space allows, adjacent, and the blocks in use stay packed at the
@@ -43,36 +55,122 @@ class BlockAllocator:
             raise ValueError(f"a K/V cache needs at least one block, got {num_blocks}")
         self.num_total_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks))  # a heap: sorted is one
-        self._is_free = [True] * num_blocks
+        self._refs = [0] * num_blocks
+        self._block_of: dict[bytes, int] = {}  # block hash -> the block holding it
+        self._hash_of: dict[int, bytes] = {}  # and back
+        # Cached blocks no request owns, least recently freed first: evicted in that order.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: plain free ones and cached ones no request owns."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache, owned or not."""
+        return len(self._block_of)
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` free blocks.
+        """Take `n` free blocks, evicting cached ones once no plain free block is left.
 
         Raises:
             KVCacheFullError: fewer than `n` blocks are free (nothing is taken).
         """
-        if n > len(self._free):
-            raise KVCacheFullError(f"need {n} K/V blocks, {len(self._free)} free")
-        blocks = [heapq.heappop(self._free) for _ in range(n)]
-        for b in blocks:
-            self._is_free[b] = False
+        if n > self.num_free_blocks:
+            raise KVCacheFullError(f"need {n} K/V blocks, {self.num_free_blocks} free")
+        blocks = []
+        for _ in range(n):
+            if self._free:
+                b = heapq.heappop(self._free)
+            else:
+                b, _ = self._evictable.popitem(last=False)
+                del self._block_of[self._hash_of.pop(b)]
+            self._refs[b] = 1
+            blocks.append(b)
         return blocks
 
     def free(self, blocks: list[int]) -> None:
-        """Return blocks to the pool.
+        """Drop one reference to each block; a block no request owns any longer becomes cached
+        (if registered) or free. Free a request's table last block first: its tail, the part
+        least likely shared, is then evicted first.
 
         Raises:
-            ValueError: a block is already free (a double free would let two requests share it).
+            ValueError: a block no request owns (a double free would let two requests write it).
         """
         for b in blocks:
-            if self._is_free[b]:
+            if self._refs[b] == 0:
                 raise ValueError(f"K/V block {b} freed twice")
-            self._is_free[b] = True
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                if b in self._hash_of:
+                    self._evictable[b] = None
+                else:
+                    heapq.heappush(self._free, b)
+
+    def register(self, block: int, block_hash: bytes) -> None:
+        """Record that `block` (owned) holds the K/V of the prefix `block_hash` names. A hash
+        already held by another block (two requests computed the same prefix at once) keeps
+        that block; this one stays private and is freed as usual."""
+        if block_hash not in self._block_of and block not in self._hash_of:
+            self._block_of[block_hash] = block
+            self._hash_of[block] = block_hash
+
+    def lookup(self, block_hashes: list[bytes]) -> list[int]:
+        """The cached blocks of the longest run of `block_hashes`, from the first, that the
+        cache holds. Nothing is taken: `share` them."""
+        blocks = []
+        for h in block_hashes:
+            b = self._block_of.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        """Add a reference to each of `blocks` (cached ones from `lookup`), taking those no
+        request owned out of the eviction order."""
+        for b in blocks:
+            if self._refs[b] == 0:
+                del self._evictable[b]
+            self._refs[b] += 1
+
+    def ref_count(self, block: int) -> int:
+        """How many requests own `block`."""
+        return self._refs[block]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every registered block: cached blocks become plain free ones, owned blocks stay
+        with their requests and are freed as private ones."""
+        for b in self._evictable:
             heapq.heappush(self._free, b)
+        self._evictable.clear()
+        self._block_of.clear()
+        self._hash_of.clear()
+
+
+def block_hashes(token_ids: list[int], block_size: int, salt: str | None = None,
+                 parents: list[bytes] = ()) -> list[bytes]:
+    """The prefix cache's keys of every full block of `token_ids`: a chain, each block's hash
+    covering its tokens and the hash before it, so equal hashes mean equal prefixes (position 0
+    on). `parents` are hashes already computed for the first blocks (extended, not recomputed);
+    `salt` (the request's `cache_salt`) enters the first block's, so only requests with the
+    same salt share. SHA-256, not Python's hash: a crafted collision would hand one request
+    another's K/V (as vLLM found, CVE-2025-25183).
+
+    Returns:
+        `len(token_ids) // block_size` hashes of 32 bytes.
+    """
+    out = list(parents)
+    for j in range(len(out), len(token_ids) // block_size):
+        # The first block's parent is the salt's own digest: every message is then 32 bytes of
+        # digest and the tokens, so no salt can pose as the hash of a block before it.
+        parent = out[-1] if out else hashlib.sha256(b"shoal cache salt\0" +
+                                                    (salt or "").encode()).digest()
+        h = hashlib.sha256(parent)
+        h.update(array("q", token_ids[j * block_size:(j + 1) * block_size]).tobytes())
+        out.append(h.digest())
+    return out
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -167,6 +265,7 @@ class KVCache:
             del block_table[keep:]
 
     def release(self, block_table: list[int]) -> None:
-        """Free every block of `block_table` and empty it."""
-        self.allocator.free(block_table)
+        """Free every block of `block_table` (the last first: `BlockAllocator.free`) and empty
+        it."""
+        self.allocator.free(block_table[::-1])
         block_table.clear()

@@ -11,6 +11,10 @@ ENGINE_STEP_SECONDS = Histogram(
 ENGINE_TOKENS = Counter("shoal_engine_tokens_total", "Tokens computed by the engine, by phase",
                         ["phase"])
 KV_CACHE_USAGE = Gauge("shoal_kv_cache_usage_ratio", "Share of K/V-cache blocks in use (0-1)")
+PREFIX_CACHE_QUERIES = Counter("shoal_prefix_cache_queries",
+                               "Tokens of requests looked up in the prefix cache when they start")
+PREFIX_CACHE_HITS = Counter("shoal_prefix_cache_hits",
+                            "Tokens found in the prefix cache (their K/V not computed again)")
 MODEL_LOAD_SECONDS = Gauge("shoal_model_load_seconds", "Time to load the model, in seconds")
 
 
@@ -31,3 +35,16 @@ def observe_iteration(num_prefill_tokens: int, num_decode_tokens: int, step_seco
     if num_decode_tokens:
         ENGINE_TOKENS.labels("decode").inc(num_decode_tokens)
     KV_CACHE_USAGE.set(1.0 - free_blocks / total_blocks)
+
+
+class PrefixCacheCounters:
+    """Carries the engine's running totals of prefix-cache queries and hits (tokens) into the
+    Prometheus counters."""
+
+    def __init__(self) -> None:
+        self.queries = self.hits = 0
+
+    def observe(self, queries: int, hits: int) -> None:
+        PREFIX_CACHE_QUERIES.inc(queries - self.queries)
+        PREFIX_CACHE_HITS.inc(hits - self.hits)
+        self.queries, self.hits = queries, hits
