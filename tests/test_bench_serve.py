@@ -120,3 +120,16 @@ def test_requests_carry_the_sweeps_sampling(synthetic_url):
     BODIES.clear()
     asyncio.run(run_sweep(synthetic_url, _reqs([1]), "all", [], [], seed=0, progress=False))
     assert BODIES[0]["temperature"] == 0.0 and "seed" not in BODIES[0]  # greedy by default
+
+
+def test_each_run_salts_its_requests_so_no_run_reuses_anothers_prefixes(synthetic_url):
+    BODIES.clear()
+    asyncio.run(run_sweep(synthetic_url, _reqs([1, 1]), "concurrency", [], [1, 2], seed=0,
+                          warmup=_reqs([1]), progress=False))
+    salts = [b["cache_salt"] for b in BODIES]
+    assert len(salts) == 5 and len(set(salts)) == 3  # the warm-up's and one per run
+    assert salts[1] == salts[2] and salts[3] == salts[4]
+    BODIES.clear()
+    asyncio.run(run_sweep(synthetic_url, _reqs([1]), "all", [], [], seed=0, progress=False,
+                          salted=False))
+    assert "cache_salt" not in BODIES[0]

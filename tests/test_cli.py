@@ -137,3 +137,15 @@ def test_dtype_auto_follows_the_cpus_bfloat16_instructions(monkeypatch):
     assert resolve_dtype("auto", "cuda") == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be"):
         resolve_dtype("float8", "cpu")
+
+
+def test_prefix_caching_is_on_unless_turned_off():
+    from shoal.cli import _engine_config, build_parser
+
+    worker = ["worker", "--redis-url", "redis://127.0.0.1:1/0"]
+    for argv, expected in ((worker, True), ([*worker, "--no-enable-prefix-caching"], False),
+                           (["bench", "engine", "--enable-prefix-caching"], True)):
+        args = build_parser().parse_args([*argv, "--dtype", "float32"])
+        assert _engine_config(args).enable_prefix_caching is expected, argv
+    up = build_parser().parse_args(["up", "--no-enable-prefix-caching"])
+    assert up.enable_prefix_caching is False

@@ -120,6 +120,7 @@ def test_bad_requests_get_openai_errors(fleet):
                                   "repetition_penalty": 0}, "repetition_penalty"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "cache_salt": ""}, "cache_salt"),
         # OpenAI's parameters that shoal does not serve are refused by name, never ignored.
         ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
@@ -194,6 +195,40 @@ def test_n_choices_are_seeded_requests_of_their_own(fleet, oracle, tokenizer):
                 usage = chunk.get("usage") or usage
     assert [texts[0], texts[1]] == [c["message"]["content"] for c in whole["choices"]]
     assert usage == whole["usage"] and usage["completion_tokens"] > 10  # both choices counted
+
+
+def _prefix_cache_tokens(fleet) -> tuple[float, float]:
+    """The worker's prefix-cache counters: (tokens looked up, tokens found)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {s.name: s.value for f in text_string_to_metric_families(
+        httpx.get(fleet["metrics"]["worker"], timeout=10).text) for s in f.samples}
+    return values["shoal_prefix_cache_queries_total"], values["shoal_prefix_cache_hits_total"]
+
+
+def test_prompts_sent_again_and_choices_reuse_cached_prefixes(fleet, oracle, tokenizer):
+    prompt = "The history of the river, told from its source to the sea. " * 6
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    assert len(ids) > 64
+    cached = (len(ids) - 1) // 16 * 16  # every full block but one holding the last token
+    expected = tokenizer.decode(oracle(ids, 8), skip_special_tokens=True)
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "cache_salt": "test-reuse"}
+    queries, hits = _prefix_cache_tokens(fleet)
+    first = httpx.post(fleet["url"] + "/v1/completions", timeout=60, json=body).json()
+    assert first["choices"][0]["text"] == expected
+    assert _prefix_cache_tokens(fleet) == (queries + len(ids), hits)
+    second = httpx.post(fleet["url"] + "/v1/completions", timeout=60, json=body).json()
+    assert second["choices"][0]["text"] == expected
+    assert _prefix_cache_tokens(fleet) == (queries + 2 * len(ids), hits + cached)
+    # Another salt finds nothing; three choices of a new prompt compute it once.
+    httpx.post(fleet["url"] + "/v1/completions", timeout=60, json={**body, "cache_salt": "other"})
+    assert _prefix_cache_tokens(fleet)[1] == hits + cached
+    r = httpx.post(fleet["url"] + "/v1/completions", timeout=60,
+                   json={**body, "prompt": prompt + " Again.", "n": 3, "max_tokens": 4,
+                         "temperature": 0.8, "seed": 3, "cache_salt": "test-choices"}).json()
+    assert len(r["choices"]) == 3
+    more = (len(tokenizer.encode(prompt + " Again.", add_special_tokens=False)) - 1) // 16 * 16
+    assert _prefix_cache_tokens(fleet)[1] == hits + cached + 2 * more
 
 
 def test_completions_default_to_16_tokens_as_openai(fleet):
