@@ -18,14 +18,20 @@ class CLIError(Exception):
     """A problem with the user's input; printed as `shoal: error: ...`, exit status 2."""
 
 
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
-    return v
+def _int_from(least: int, what: str):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}") from None
+        if v < least:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}")
+        return v
+    return parse
+
+
+_positive_int = _int_from(1, "a positive integer")
+_non_negative_int = _int_from(0, "an integer >= 0")
 
 
 def _add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
@@ -115,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="times W64 runs; the median run is reported (default 3)")
     be.add_argument("--output", default="bench-results/engine.json", help="JSON file for the figures")
     be.add_argument("--seed", type=int, default=0)
+    _add_shared_prefix_arg(be)
     _add_bench_sampling_args(be)
     w = sub.add_parser("worker", help="a worker process: runs iterations planned by the scheduler")
     _add_engine_args(w)
@@ -249,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="another sweep's JSON to draw beside this one (repeatable)")
     bs.add_argument("--quick", action="store_true", help="a small run (figures not meaningful)")
     bs.add_argument("--seed", type=int, default=0)
+    _add_shared_prefix_arg(bs)
     bs.add_argument("--no-cache-salt", dest="cache_salt", action="store_false",
                     help="send no cache_salt (each run sends its own, so that a run finds "
                          "nothing of an earlier one in the prefix cache); for servers that "
@@ -259,6 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--output", default="bench-results/serve.json",
                     help="JSON file for the figures; the PNG plots go beside it")
     return parser
+
+
+def _add_shared_prefix_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shared-prefix", type=_non_negative_int, default=0, metavar="TOKENS",
+                   help="every prompt begins with the same TOKENS random token ids (a system "
+                        "prompt; what prefix caching saves); default 0")
 
 
 def _add_bench_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -424,7 +438,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     with _engine(path, cfg, args) as (engine, _):
         run_engine_bench(path, engine, time.perf_counter() - t0, quick=args.quick,
                          baseline=not args.no_baseline, output=args.output, seed=args.seed,
-                         rounds=args.rounds, temperature=temperature, top_p=top_p)
+                         rounds=args.rounds, temperature=temperature, top_p=top_p,
+                         shared_prefix=args.shared_prefix)
     return 0
 
 
@@ -626,7 +641,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from shoal.bench_serve import print_table, run_sweep, workload_requests, write_outputs
-    from shoal.workloads import W64_QUICK, make_requests, with_sampling
+    from shoal.workloads import W64_QUICK, make_requests, with_sampling, with_shared_prefix
 
     rates = _numbers(args.rates, float, "--rates")
     concurrencies = _numbers(args.concurrency, int, "--concurrency")
@@ -636,7 +651,11 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
                                        args.num_requests, args.quick)
     except (ValueError, OSError) as e:
         raise CLIError(str(e)) from e
-    reqs = with_sampling(reqs, temperature, top_p)
+    try:
+        reqs = with_shared_prefix(with_sampling(reqs, temperature, top_p), args.shared_prefix,
+                                  args.vocab_size, args.seed)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
     for c in args.compare:
         if not os.path.isfile(c):
             raise CLIError(f"--compare: no file {c}")
@@ -646,6 +665,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     if all(r["errors"] == r["requests"] for r in runs):
         raise CLIError(f"every request failed; first error: {runs[0]['first_error']}")
     figures = {"workload": name, "url": args.url, "label": args.label, "seed": args.seed,
+               "shared_prefix_tokens": args.shared_prefix,
                "sampling": {"temperature": temperature, "top_p": top_p},
                "arrival": args.arrival, "runs": runs}
     print_table(figures)

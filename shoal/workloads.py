@@ -54,6 +54,23 @@ def with_sampling(reqs: list[BenchRequest], temperature: float, top_p: float) ->
             for i, r in enumerate(reqs)]
 
 
+def with_shared_prefix(reqs: list[BenchRequest], num_tokens: int, vocab_size: int,
+                       seed: int) -> list[BenchRequest]:
+    """The same requests, each prompt behind one run of `num_tokens` random token ids that all
+    share (a system prompt: what prefix caching saves).
+
+    Raises:
+        ValueError: a request is text (read from a file), which has no token ids to extend.
+    """
+    if not num_tokens:
+        return reqs
+    if any(r.prompt_text is not None for r in reqs):
+        raise ValueError("a shared prefix extends generated workloads, not text prompts")
+    rng = random.Random(f"shared-prefix-{seed}")
+    prefix = [rng.randrange(vocab_size) for _ in range(num_tokens)]
+    return [dataclasses.replace(r, prompt_token_ids=prefix + r.prompt_token_ids) for r in reqs]
+
+
 def make_requests(w: Workload, vocab_size: int, seed: int, prefix: str = "w") -> list[BenchRequest]:
     """The workload's requests, the same for the same seed."""
     rng = random.Random(seed)

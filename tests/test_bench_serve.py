@@ -16,7 +16,13 @@ from fastapi.responses import StreamingResponse
 
 from shoal.bench_serve import run_sweep
 from shoal.fleet import free_port
-from shoal.workloads import BenchRequest, with_sampling
+from shoal.workloads import (
+    W64_QUICK,
+    BenchRequest,
+    make_requests,
+    with_sampling,
+    with_shared_prefix,
+)
 
 TTFT_S, ITL_S = 0.30, 0.10
 SLACK_S = 0.15  # scheduling noise on a busy 2-core machine; timings are never shorter
@@ -133,3 +139,14 @@ def test_each_run_salts_its_requests_so_no_run_reuses_anothers_prefixes(syntheti
     asyncio.run(run_sweep(synthetic_url, _reqs([1]), "all", [], [], seed=0, progress=False,
                           salted=False))
     assert "cache_salt" not in BODIES[0]
+
+
+def test_a_shared_prefix_goes_in_front_of_every_prompt():
+    reqs = make_requests(W64_QUICK, 1000, seed=3)
+    shared = with_shared_prefix(reqs, 40, 1000, seed=3)
+    prefix = shared[0].prompt_token_ids[:40]
+    assert all(s.prompt_token_ids == prefix + r.prompt_token_ids for s, r in zip(shared, reqs))
+    assert with_shared_prefix(reqs, 40, 1000, seed=4)[0].prompt_token_ids[:40] != prefix
+    assert with_shared_prefix(reqs, 0, 1000, seed=3) == reqs
+    with pytest.raises(ValueError, match="text prompts"):
+        with_shared_prefix([BenchRequest("t", [], 4, prompt_text="hello")], 8, 1000, seed=0)

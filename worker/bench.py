@@ -23,7 +23,14 @@ import torch
 
 from shoal.messages import IterationPlan, NewRequest
 from shoal.sampling_params import SamplingParams
-from shoal.workloads import W64, W64_QUICK, BenchRequest, make_requests, with_sampling
+from shoal.workloads import (
+    W64,
+    W64_QUICK,
+    BenchRequest,
+    make_requests,
+    with_sampling,
+    with_shared_prefix,
+)
 from worker import ops
 from worker.engine import Engine
 from worker.offline import stream
@@ -44,6 +51,7 @@ def run_workload(engine: Engine, reqs: list[NewRequest]) -> dict[str, float]:
     """All requests submitted at t=0; returns throughput and per-token latency figures. The
     prefix cache is emptied first: a run repeating another's prompts computes them again."""
     engine.reset_prefix_cache()
+    hits = engine.prefix_cache_hits
     t0 = time.perf_counter()
     finished_at: dict[str, float] = {}
     generated = 0
@@ -60,6 +68,7 @@ def run_workload(engine: Engine, reqs: list[NewRequest]) -> dict[str, float]:
         "generated_tokens_per_s": generated / elapsed,
         "requests_per_s": len(reqs) / elapsed,
         "median_latency_per_output_token_s": statistics.median(per_token),
+        "prefix_cache_hit_tokens": engine.prefix_cache_hits - hits,
     }
 
 
@@ -156,10 +165,12 @@ def transformers_static_batches(path: Path, dtype: torch.dtype, reqs: list[NewRe
 
 def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, baseline: bool,
                      output: str, seed: int, rounds: int = 3, temperature: float = 0.0,
-                     top_p: float = 1.0) -> dict:
+                     top_p: float = 1.0, shared_prefix: int = 0) -> dict:
     """Run the benchmark on `engine` (loaded from `path` in `load_s` seconds), print a table and
     write the figures as JSON to `output`. W64's requests sample at `temperature` within
-    `top_p` (greedy at 0, the default); the other measures and the baseline are greedy.
+    `top_p` (greedy at 0, the default), each prompt behind `shared_prefix` tokens they all share
+    (`shoal.workloads.with_shared_prefix`; the baseline's too); the other measures and the
+    baseline are greedy.
 
     The workload runs `rounds` times on the warm engine and the median run (by generated
     tokens/s) is reported, all of them in the JSON: one 3.5-second run of W64 on a shared 2-core
@@ -176,8 +187,8 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
     # warm", as the issue's vLLM figure). Warmed up on W64-quick alone, the first W64 run was
     # once the slowest of three (586.7 against 601.8 and 597.5 tokens/s, 2-core Zen 5).
     def requests(s: int, prefix: str) -> list[NewRequest]:
-        return to_engine_requests(with_sampling(make_requests(workload, vocab, s, prefix),
-                                                temperature, top_p))
+        reqs = with_sampling(make_requests(workload, vocab, s, prefix), temperature, top_p)
+        return to_engine_requests(with_shared_prefix(reqs, shared_prefix, vocab, seed))
 
     with console.status("warming up"):
         run_workload(engine, requests(seed + 1, "warm"))
@@ -203,8 +214,9 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
     base = None
     if baseline:
         with console.status("W64 through transformers static batches of 8"):
-            base = transformers_static_batches(path, BASELINE_DTYPE,
-                                               to_engine_requests(make_requests(workload, vocab, seed)))
+            reqs = with_shared_prefix(make_requests(workload, vocab, seed), shared_prefix, vocab,
+                                      seed)
+            base = transformers_static_batches(path, BASELINE_DTYPE, to_engine_requests(reqs))
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     table = Table(title=f"shoal bench engine ({'quick' if quick else 'W64'}, {str(cfg.dtype).removeprefix('torch.')}, "
@@ -215,6 +227,9 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
                   f"{ours['generated_tokens_per_s']:.1f}")
     sampling = f"temperature {temperature}, top_p {top_p}, seeded" if temperature else "greedy"
     table.add_row("W64 sampling", sampling)
+    if shared_prefix:
+        table.add_row("shared prompt prefix (tokens); found cached per run",
+                      f"{shared_prefix}; {ours['prefix_cache_hit_tokens']}")
     if rounds > 1:
         table.add_row("shoal generated tokens/s, each run",
                       " / ".join(f"{r['generated_tokens_per_s']:.1f}" for r in runs))
@@ -237,6 +252,7 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
                           f"{quality['reference_dtype']} {quality[key + 'reference']:.3f}")
     table.add_row("prefill tokens/s", f"{prefill:.0f}")
     table.add_row("quantization", cfg.quantization)
+    table.add_row("prefix caching", "on" if cfg.enable_prefix_caching else "off")
     amx = engine.model.kernels and ops.amx_available()
     bf16_pairs = engine.model.kernels and ops.dp_linear_available()
     kernels = ("yes, with AMX tiles" if amx else "yes, with AVX512_BF16" if bf16_pairs
@@ -251,6 +267,8 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
     figures = {
         "workload": "W64-quick" if quick else "W64", "seed": seed,
         "sampling": {"temperature": temperature, "top_p": top_p},
+        "shared_prefix_tokens": shared_prefix,
+        "prefix_caching": cfg.enable_prefix_caching,
         "dtype": str(cfg.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
         "shoal": ours, "shoal_runs": runs, "transformers_static_batch8": base,
         "decode_tokens_per_s": decode, "single_stream_decode_tokens_per_s": single,

@@ -52,7 +52,8 @@ class Sequence:
             `enable_prefix_caching`, and a request that never drops tokens from its context:
             the shifts of `context_overflow` rewrite blocks in place).
         block_hashes: prefix-cache keys of the first full blocks of `token_ids`
-            (`worker.kv_cache.block_hashes`), as far as computed.
+            (`worker.kv_cache.block_hashes`), as far as computed; None before its first
+            lookup.
         num_registered_blocks: leading blocks of `block_table` taken from or entered into the
             prefix cache.
     """
@@ -66,7 +67,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_discarded: int = 0
     caches_prefix: bool = False
-    block_hashes: list[bytes] = field(default_factory=list)
+    block_hashes: list[bytes] | None = None
     num_registered_blocks: int = 0
 
     @property
@@ -245,7 +246,7 @@ class Engine:
         blocks (at most all but its last token: that one's logits are needed), which it then
         owns with the requests that share them; it prefills from there."""
         bs = self.cfg.block_size
-        if not s.block_hashes:
+        if s.block_hashes is None:
             s.block_hashes = block_hashes(s.token_ids[: (len(s.token_ids) - 1) // bs * bs], bs,
                                           s.params.cache_salt)
             self.prefix_cache_queries += len(s.token_ids)
@@ -263,9 +264,9 @@ class Engine:
         full = s.num_computed_tokens // bs
         if full <= s.num_registered_blocks:
             return
-        if len(s.block_hashes) < full:
+        if s.block_hashes is None or len(s.block_hashes) < full:
             s.block_hashes = block_hashes(s.token_ids[: full * bs], bs, s.params.cache_salt,
-                                          s.block_hashes)
+                                          s.block_hashes or [])
         for j in range(s.num_registered_blocks, full):
             self.kv_cache.allocator.register(s.block_table[j], s.block_hashes[j])
         s.num_registered_blocks = full
