@@ -257,3 +257,14 @@ def test_requests_that_may_overflow_the_window_do_not_share(fp32_model):
     generate(engine, [NewRequest("b", prompt, params)])
     assert engine.prefix_cache_queries == 0 and engine.prefix_cache_hits == 0
     assert engine.kv_cache.allocator.num_cached_blocks == 0
+
+
+def test_requests_sharing_little_do_not_wait_for_each_other(fp32_model):
+    rng = random.Random(8)
+    head = _prompt(rng, BS)
+    a, b = head + _prompt(rng, 3 * BS), head + _prompt(rng, 3 * BS)  # one block of four shared
+    engine = make_engine(fp32_model)
+    first = engine.step(IterationPlan(admit=[NewRequest("a", a, _greedy(2)),
+                                             NewRequest("b", b, _greedy(2))]))
+    assert first.num_prefill_tokens == len(a) + len(b)
+    assert sorted(o.request_id for o in first.outputs) == ["a", "b"]

@@ -340,21 +340,24 @@ class Engine:
         """Decodes first (one token each), then prefill chunks FCFS within the token budget.
         Grows every chosen request's block table, all or nothing.
 
-        A request that would start by computing the same first block as an earlier one in
-        this iteration waits one iteration and then finds that block, and what follows it, in
-        the prefix cache (the n choices of one prompt, a shared system prompt)."""
+        A request that would start by computing at least half of its prompt as an earlier one
+        in this iteration does (the same first blocks) waits one iteration and then finds those
+        blocks in the prefix cache: the n choices of one prompt, a burst of requests behind one
+        long system prompt. Sharing less, it goes ahead: a whole iteration of latency for a
+        little compute is a poor trade."""
         decodes = [s for s in seqs if s.num_uncomputed_tokens == 1]
         budget = self.cfg.max_num_batched_tokens - len(decodes)
         prefills: list[tuple[Sequence, int]] = []
-        starting: set[bytes] = set()  # first blocks that prefills compute in this iteration
+        starting: dict[bytes, list[bytes]] = {}  # first block -> the blocks of a prefill starting
         for s in seqs:
             if budget <= 0:
                 break
             if s.num_uncomputed_tokens > 1:
                 if s.num_computed_tokens == 0 and s.block_hashes:
-                    if s.block_hashes[0] in starting:
+                    earlier = starting.setdefault(s.block_hashes[0], s.block_hashes)
+                    if (earlier is not s.block_hashes and 2 * self.cfg.block_size *
+                            _common_prefix(earlier, s.block_hashes) >= s.num_uncomputed_tokens):
                         continue
-                    starting.add(s.block_hashes[0])
                 chunk = min(s.num_uncomputed_tokens, budget)
                 prefills.append((s, chunk))
                 budget -= chunk
@@ -463,3 +466,13 @@ class Engine:
         if s.context_len >= self.max_model_len and p.context_overflow == "error":
             return "length"
         return None
+
+
+def _common_prefix(a: list[bytes], b: list[bytes]) -> int:
+    """How many leading entries `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
