@@ -120,7 +120,7 @@ class Engine:
         self.running: dict[str, Sequence] = {}
         self.keep_logits = keep_logits
         self.last_logits: dict[str, torch.Tensor] = {}
-        # Prompt tokens looked up in the prefix cache and found there, since the start.
+        # Tokens of starting requests looked up in the prefix cache, and those found there.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
