@@ -13,7 +13,11 @@ Orca's Algorithm 1 (OSDI'22, §4.1) generalised to many workers, with no I/O in 
   `ondemand` (vLLM): only the prompt's blocks must be free now, requests grow into free blocks, and
   a worker that runs out preempts its newest request, which comes back here to be recomputed;
 - placement: the alive, non-draining worker for the model with the most free blocks (ties: the
-  fewest running requests);
+  fewest running requests), unless another whose prefix cache likely holds the request's first
+  blocks has nearly as many (`PREFIX_AFFINITY_SLACK`): the choices of one prompt, the turns of
+  a conversation and the requests behind one system prompt then find their prefix cached instead
+  of computing it on every worker. What a worker holds is estimated from what was placed on it
+  (`PrefixIndex`), as SGLang's cache-aware router does;
 - policy `request-level` is the Orca paper's baseline (FasterTransformer-style request-level
   batching), for `shoal bench`: a worker takes a batch only when it is idle, fills it with what
   fits (reserving like `reserve`), and takes nothing more until every request of the batch has
@@ -36,7 +40,7 @@ events for the gateways. The I/O loop around them is scheduler/server.py.
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field, replace
 
 from shoal.messages import (
@@ -47,6 +51,7 @@ from shoal.messages import (
     TokenEvent,
     WorkerInfo,
 )
+from shoal.prefix_hash import block_hashes
 
 POLICIES = ("reserve", "ondemand", "request-level")
 
@@ -59,6 +64,11 @@ PLAN_LEAD_FRACTION = 0.2
 # LEARN_SAMPLES of them.
 LEARN_MIN_PREFILL_TOKENS = 128
 LEARN_SAMPLES = 16
+# Placement follows a request's cached prefix to a worker whose room is at most this share of
+# the roomiest candidate's total blocks below that candidate's: affinity while the load is near
+# even, the roomiest worker once it is not (a popular system prompt must not pile every request
+# onto one worker).
+PREFIX_AFFINITY_SLACK = 0.125
 
 
 @dataclass
@@ -74,9 +84,55 @@ class RequestState:
     admitted_at: float | None = None  # Unix time of the first admission, for metrics and logs
     first_token_at: float | None = None
 
+    _hashes: tuple[int, int, list[bytes]] | None = None  # (block size, tokens, their hashes)
+
     @property
     def num_tokens(self) -> int:
         return len(self.sub.prompt_token_ids) + len(self.output_token_ids)
+
+    def prefix_hashes(self, block_size: int) -> list[bytes]:
+        """The keys a worker's prefix cache would look this request up by: its full blocks of
+        `block_size` tokens (prompt and output so far) but the one holding its last token; none
+        for a request that may run past the context window, which the worker does not cache."""
+        if self.sub.params.context_overflow != "error":
+            return []
+        if self._hashes is None or self._hashes[:2] != (block_size, self.num_tokens):
+            tokens = [*self.sub.prompt_token_ids, *self.output_token_ids]
+            full = (len(tokens) - 1) // block_size * block_size
+            self._hashes = (block_size, self.num_tokens,
+                            block_hashes(tokens[:full], block_size, self.sub.params.cache_salt))
+        return self._hashes[2]
+
+
+class PrefixIndex:
+    """An estimate of the prefix blocks a worker holds: the block hashes of the requests placed on
+    it, the most recently placed `capacity` of them (its K/V blocks), as its cache evicts the
+    least recently used. It knows nothing of evictions made sooner (another worker's preemptions,
+    a cache full of other work), so a placement it suggests may find less than it expected; the
+    request then computes what is missing."""
+
+    def __init__(self) -> None:
+        self._hashes: OrderedDict[bytes, None] = OrderedDict()
+
+    def match(self, hashes: list[bytes]) -> int:
+        """How many of `hashes`, from the first, the worker is thought to hold."""
+        n = 0
+        for h in hashes:
+            if h not in self._hashes:
+                break
+            n += 1
+        return n
+
+    def add(self, hashes: list[bytes], capacity: int) -> None:
+        """Note `hashes` as the most recent, keeping at most `capacity` blocks."""
+        for h in hashes:
+            self._hashes[h] = None
+            self._hashes.move_to_end(h)
+        while len(self._hashes) > capacity:
+            self._hashes.popitem(last=False)
+
+    def clear(self) -> None:
+        self._hashes.clear()
 
 
 @dataclass
@@ -93,6 +149,7 @@ class WorkerState:
     iteration: int = 0
     pending_release: list[str] = field(default_factory=list)
     to_admit: list[RequestState] = field(default_factory=list)
+    prefix_index: PrefixIndex = field(default_factory=PrefixIndex)
 
     @property
     def free_blocks(self) -> int:
@@ -152,6 +209,8 @@ class Scheduler:
         if w is None:
             self.workers[info.worker_id] = WorkerState(info)
         else:
+            if info.incarnation != w.info.incarnation:
+                w.prefix_index.clear()  # a new process: its cache starts empty
             w.info = info
 
     def remove_worker(self, worker_id: str) -> list[TokenEvent]:
@@ -251,7 +310,8 @@ class Scheduler:
 
     def place(self, now: float | None = None) -> list[RequestState]:
         """Assign waiting requests, by priority then arrival (see `_next_waiting`; `now` is Unix
-        time, default the clock), to the worker with the most free K/V. Returns those placed."""
+        time, default the clock), to the worker with the most free K/V or, nearly as free, the
+        one likely to hold their prefix (`_prefix_home`). Returns those placed."""
         now = time.time() if now is None else now
         placed: list[RequestState] = []
         # request-level: only workers idle now may take requests (this call forms their batch).
@@ -266,7 +326,8 @@ class Scheduler:
                           and (idle is None or w.info.worker_id in idle)]
             if not candidates:
                 return placed
-            best = max(candidates, key=lambda w: (self._room(w), -len(w.running)))
+            best = self._prefix_home(s, candidates,
+                                     max(candidates, key=lambda w: (self._room(w), -len(w.running))))
             need = self._blocks_needed(s, best)
             largest = max(w.info.num_total_blocks for w in candidates)
             if need > largest:  # it would wait forever: fail it now
@@ -289,8 +350,27 @@ class Scheduler:
                 # Count the promise against the advertised blocks until the next result.
                 best.info = replace(best.info, num_free_blocks=best.info.num_free_blocks - need)
             best.to_admit.append(s)
+            if best.info.prefix_caching:
+                best.prefix_index.add(s.prefix_hashes(best.info.block_size),
+                                      best.info.num_total_blocks)
             placed.append(s)
         return placed
+
+    def _prefix_home(self, s: RequestState, candidates: list[WorkerState],
+                     roomiest: WorkerState) -> WorkerState:
+        """The candidate thought to hold the longest run of `s`'s first blocks in its prefix
+        cache, among those with room for `s` and within `PREFIX_AFFINITY_SLACK` of `roomiest`'s
+        room (the most room among equal runs); `roomiest` where none holds any."""
+        floor = self._room(roomiest) - PREFIX_AFFINITY_SLACK * roomiest.info.num_total_blocks
+        home, home_key = roomiest, (0, 0)
+        for w in candidates:
+            room = self._room(w)
+            if not w.info.prefix_caching or room < floor or self._blocks_needed(s, w) > room:
+                continue
+            key = (w.prefix_index.match(s.prefix_hashes(w.info.block_size)), room)
+            if key[0] and key > home_key:
+                home, home_key = w, key
+        return home
 
     def schedule(self, worker_id: str) -> IterationPlan:
         """The next plan for one worker: new admissions and releases; every running request runs."""

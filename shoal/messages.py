@@ -296,6 +296,8 @@ class WorkerInfo(Message):
             one, so the scheduler knows the old process (and what it ran) is gone.
         heartbeat_at: when the worker wrote this, Unix seconds (0 where unknown).
         max_num_batched_tokens: most tokens in one of its iterations (0 where unknown).
+        prefix_caching: it caches prompt prefixes (the scheduler then places requests where
+            their prefix is likely cached).
     """
 
     TYPE: ClassVar[str] = "worker_info"
@@ -311,6 +313,7 @@ class WorkerInfo(Message):
     incarnation: str = ""
     heartbeat_at: float = 0.0
     max_num_batched_tokens: int = 0
+    prefix_caching: bool = False
 
 
 @dataclass(frozen=True)

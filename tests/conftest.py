@@ -89,8 +89,9 @@ def running_fleet(worker_args: tuple[str, ...] = (), scheduler_log=None,
             log.close()
 
 
-def spawn_worker(fleet: dict, worker_id: str, kv_cache_bytes: int):
-    """Start one more float32 worker in `fleet` and return once the scheduler can know it.
+def spawn_worker(fleet: dict, worker_id: str, kv_cache_bytes: int, *args: str):
+    """Start one more float32 worker in `fleet` (with extra command-line `args`) and return once
+    the scheduler can know it.
 
     Raises:
         AssertionError: it did not register within 120 s, or exited.
@@ -105,7 +106,7 @@ def spawn_worker(fleet: dict, worker_id: str, kv_cache_bytes: int):
     proc = subprocess.Popen(
         [*shoal_command(), "worker", "--redis-url", fleet["redis"], "--worker-id",
          worker_id, "--dtype", "float32", "--kv-cache-bytes", str(kv_cache_bytes), "--threads",
-         "1"], env=worker_env(1))
+         "1", *args], env=worker_env(1))
     r = redis.Redis.from_url(fleet["redis"])
     deadline = time.monotonic() + 120
     while not r.sismember("shoal:workers", worker_id):

@@ -197,12 +197,13 @@ def test_n_choices_are_seeded_requests_of_their_own(fleet, oracle, tokenizer):
     assert usage == whole["usage"] and usage["completion_tokens"] > 10  # both choices counted
 
 
-def _prefix_cache_tokens(fleet) -> tuple[float, float]:
-    """The worker's prefix-cache counters: (tokens looked up, tokens found)."""
+def _prefix_cache_tokens(fleet, url: str | None = None) -> tuple[float, float]:
+    """A worker's prefix-cache counters (w0's unless its metrics `url` is given): (tokens looked
+    up, tokens found)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     values = {s.name: s.value for f in text_string_to_metric_families(
-        httpx.get(fleet["metrics"]["worker"], timeout=10).text) for s in f.samples}
+        httpx.get(url or fleet["metrics"]["worker"], timeout=10).text) for s in f.samples}
     return values["shoal_prefix_cache_queries_total"], values["shoal_prefix_cache_hits_total"]
 
 
@@ -229,6 +230,27 @@ def test_prompts_sent_again_and_choices_reuse_cached_prefixes(fleet, oracle, tok
     assert len(r["choices"]) == 3
     more = (len(tokenizer.encode(prompt + " Again.", add_special_tokens=False)) - 1) // 16 * 16
     assert _prefix_cache_tokens(fleet)[1] == hits + cached + 2 * more
+
+
+def test_choices_go_to_the_worker_that_holds_their_prompt(fleet, tokenizer):
+    """Two workers of equal room: placement by free K/V alone would alternate the choices and
+    compute the prompt on both; following the prefix, one worker computes it once."""
+    port = free_port()
+    twin = spawn_worker(fleet, "w-twin", 256 << 20, "--metrics-port", str(port))
+    twin_metrics = f"http://127.0.0.1:{port}/metrics"
+    try:
+        prompt = "A ledger of the harbour's ships, their cargo and their crews. " * 5
+        n = len(tokenizer.encode(prompt, add_special_tokens=False))
+        before = [_prefix_cache_tokens(fleet, url)[1] for url in (None, twin_metrics)]
+        r = httpx.post(fleet["url"] + "/v1/completions", timeout=120, json={
+            "prompt": prompt, "max_tokens": 4, "n": 4, "temperature": 0.7, "seed": 5,
+            "cache_salt": "test-twin"})
+        assert len(r.json()["choices"]) == 4
+        after = [_prefix_cache_tokens(fleet, url)[1] for url in (None, twin_metrics)]
+        assert sum(after) - sum(before) == 3 * ((n - 1) // 16 * 16)
+    finally:
+        twin.send_signal(signal.SIGTERM)
+        assert twin.wait(60) == 0
 
 
 def test_completions_default_to_16_tokens_as_openai(fleet):

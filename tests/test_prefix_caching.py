@@ -11,11 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shoal.messages import IterationPlan, NewRequest
+from shoal.prefix_hash import block_hashes
 from shoal.sampling_params import InvalidSamplingParams, SamplingParams
 from tests.conftest import make_engine, random_weights, tiny_config
 from worker.config import EngineConfig
 from worker.engine import Engine
-from worker.kv_cache import BlockAllocator, KVCacheFullError, block_hashes, bytes_per_block
+from worker.kv_cache import BlockAllocator, KVCacheFullError, bytes_per_block
 from worker.offline import generate
 
 BS = 16

@@ -330,3 +330,66 @@ def test_the_plan_behind_a_prefill_is_due_shortly_before_its_estimated_end():
     sched.schedule("w")
     sched.iteration_started("w", now=300.0)
     assert sched.plan_due("w", 300.0) == 300.0
+
+
+def _caching_worker(wid: str, blocks: int, incarnation: str = "i0",
+                    prefix_caching: bool = True) -> WorkerInfo:
+    return WorkerInfo(wid, "m", blocks, blocks, BLOCK, 64, 256, incarnation=incarnation,
+                      prefix_caching=prefix_caching)
+
+
+def _behind(stem: list[int], rid: str, t: float, salt: str | None = None) -> RequestSubmission:
+    """A request whose prompt is `stem` and three tokens of its own: 12 blocks with max_tokens."""
+    rng = random.Random(rid)
+    return RequestSubmission(rid, "m", stem + [rng.randrange(2, CFG.vocab_size) for _ in range(3)],
+                             SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                                            cache_salt=salt), t, "reply")
+
+
+def _place(sched: Scheduler, sub: RequestSubmission) -> str:
+    sched.add_request(sub)
+    sched.place()
+    return sched.requests[sub.request_id].worker_id
+
+
+def test_requests_follow_their_cached_prefix_while_the_load_is_near_even():
+    rng = random.Random(0)
+    stem = [rng.randrange(2, CFG.vocab_size) for _ in range(40)]
+
+    def two_workers() -> tuple[Scheduler, str, str]:
+        sched = Scheduler("reserve")
+        for wid in ("a", "b"):
+            sched.update_worker(_caching_worker(wid, 200))  # slack: 25 blocks
+        home = _place(sched, _behind(stem, "s0", 0.0))
+        return sched, home, "b" if home == "a" else "a"
+
+    # Rooms 188 and 176 against 200: within the slack, so the prefix's worker takes them.
+    sched, home, other = two_workers()
+    assert [_place(sched, _behind(stem, f"s{i}", float(i))) for i in (1, 2)] == [home, home]
+    # 164 against 200 is not: the roomiest takes it, and from then on both hold the prefix
+    # (equal runs: the roomier wins).
+    assert _place(sched, _behind(stem, "s3", 3.0)) == other
+    assert _place(sched, _behind(stem, "s4", 4.0)) == other
+    assert (sched.workers[home].reserved_blocks, sched.workers[other].reserved_blocks) == (36, 24)
+    # A prompt of its own goes where the room is; so does the same prompt under another salt.
+    for sub in (_behind([7] * 40, "own", 1.0), _behind(stem, "salted", 1.0, salt="t")):
+        sched, home, other = two_workers()
+        assert _place(sched, sub) == other
+
+
+def test_placement_ignores_prefixes_of_workers_that_do_not_cache_or_restarted():
+    rng = random.Random(1)
+    stem = [rng.randrange(2, CFG.vocab_size) for _ in range(40)]
+    sched = Scheduler("reserve")
+    for wid in ("a", "b"):
+        sched.update_worker(_caching_worker(wid, 200, prefix_caching=False))
+    first = _place(sched, _behind(stem, "s0", 0.0))
+    assert _place(sched, _behind(stem, "s1", 1.0)) != first  # by free K/V alone
+
+    sched = Scheduler("reserve")
+    for wid in ("a", "b"):
+        sched.update_worker(_caching_worker(wid, 200))
+    first = _place(sched, _behind(stem, "s0", 0.0))
+    assert _place(sched, _behind(stem, "s1", 1.0)) == first
+    sched.update_worker(_caching_worker(first, 200, incarnation="i1"))  # a new process
+    assert _place(sched, _behind(stem, "s2", 2.0)) != first

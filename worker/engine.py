@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 
 from shoal.messages import IterationPlan, IterationResult, NewRequest, TokenOutput
+from shoal.prefix_hash import block_hashes
 from shoal.sampling_params import SamplingParams
 from worker.attention import build_metadata
 from worker.config import EngineConfig, ModelConfig, default_device
-from worker.kv_cache import KVCache, KVCacheFullError, block_hashes
+from worker.kv_cache import KVCache, KVCacheFullError
 from worker.loader import load_model
 from worker.model import LlamaModel
 from worker.sampler import Sampler, skip_draws
@@ -52,7 +53,7 @@ class Sequence:
             `enable_prefix_caching`, and a request that never drops tokens from its context:
             the shifts of `context_overflow` rewrite blocks in place).
         block_hashes: prefix-cache keys of the first full blocks of `token_ids`
-            (`worker.kv_cache.block_hashes`), as far as computed; None before its first
+            (`shoal.prefix_hash.block_hashes`), as far as computed; None before its first
             lookup.
         num_registered_blocks: leading blocks of `block_table` taken from or entered into the
             prefix cache.

@@ -64,7 +64,7 @@ class WorkerServer:
         return WorkerInfo(self.worker_id, self.model, e.num_total_blocks, e.num_free_blocks,
                           e.block_size, e.cfg.max_num_seqs, e.max_model_len, len(e.running),
                           self._draining.is_set(), self.incarnation, time.time(),
-                          e.cfg.max_num_batched_tokens)
+                          e.cfg.max_num_batched_tokens, e.cfg.enable_prefix_caching)
 
     def _heartbeat(self, r: redis.Redis) -> None:
         info = encode(self.info())

@@ -1,0 +1,32 @@
+"""Prefix-cache keys of a request's tokens, shared by the worker (which caches K/V blocks under
+them) and the scheduler (which places a request where its prefix is likely cached). A leaf
+module."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+
+def block_hashes(token_ids: list[int], block_size: int, salt: str | None = None,
+                 parents: list[bytes] = ()) -> list[bytes]:
+    """The prefix cache's keys of every full block of `token_ids`: a chain, each block's hash
+    covering its tokens and the hash before it, so equal hashes mean equal prefixes (position 0
+    on). `parents` are hashes already computed for the first blocks (extended, not recomputed);
+    `salt` (the request's `cache_salt`) enters the first block's, so only requests with the
+    same salt share. SHA-256, not Python's hash: a crafted collision would hand one request
+    another's K/V (as vLLM found, CVE-2025-25183).
+
+    Returns:
+        `len(token_ids) // block_size` hashes of 32 bytes.
+    """
+    out = list(parents)
+    for j in range(len(out), len(token_ids) // block_size):
+        # The first block's parent is the salt's own digest: every message is then 32 bytes of
+        # digest and the tokens, so no salt can pose as the hash of a block before it.
+        parent = out[-1] if out else hashlib.sha256(b"shoal cache salt\0" +
+                                                    (salt or "").encode()).digest()
+        h = hashlib.sha256(parent)
+        h.update(array("q", token_ids[j * block_size:(j + 1) * block_size]).tobytes())
+        out.append(h.digest())
+    return out
