@@ -464,7 +464,8 @@ class Gateway:
                     finished = True
                     self._cancel_soon(p.request_id)
                     yield out, TokenEvent(ev.request_id, ev.index, ev.token_ids, ev.logprobs,
-                                          "stop", None, ev.prompt_tokens, next_index)
+                                          "stop", None, ev.prompt_tokens, next_index,
+                                          cached_tokens=ev.cached_tokens)
                     return
                 if ev.finish_reason is not None:
                     finished = True
@@ -617,13 +618,19 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-def _usage(prompts: list[Prepared], *last: TokenEvent) -> dict[str, int]:
+def _usage(prompts: list[Prepared], *last: TokenEvent) -> dict[str, Any]:
     """Usage of an API request: its prompts, each counted once however many choices it has, and
-    the tokens of every choice (from each one's last event)."""
+    the tokens of every choice (from each one's last event, in choice order: prompt k's choices
+    are `k * n .. k * n + n - 1`). A prompt's cached tokens are those none of its choices
+    computed (the fewest any of them found in the prefix cache)."""
     prompt = sum(len(p.prompt_ids) for p in prompts)
     completion = sum(ev.completion_tokens for ev in last)
+    n = max(1, len(last) // len(prompts))
+    cached = sum(min(ev.cached_tokens for ev in last[k * n:(k + 1) * n])
+                 for k in range(len(last) // n))
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
@@ -889,7 +896,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
                 if ev.finish_reason:
                     last[i] = ev
         if req.stream_options and req.stream_options.include_usage:
-            yield {**base, "choices": [], "usage": _usage(prompts, *last.values())}
+            yield {**base, "choices": [], "usage": _usage(prompts, *(last[i] for i in sorted(last)))}
 
     def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
         async def body():

@@ -80,6 +80,7 @@ class RequestState:
     worker_id: str | None = None
     reserved_blocks: int = 0
 
+    cached_tokens: int = 0  # of its prompt, found in the prefix cache when it first ran
     migrations: int = 0  # times its worker was lost under it
     admitted_at: float | None = None  # Unix time of the first admission, for metrics and logs
     first_token_at: float | None = None
@@ -437,6 +438,8 @@ class Scheduler:
             if out.token_id is not None and out.index == len(s.output_token_ids):
                 s.output_token_ids.append(out.token_id)
                 tokens = [out.token_id]
+                if out.index == 0:
+                    s.cached_tokens = out.num_cached_tokens
             if out.finish_reason is not None:
                 self._unplace(s)
                 self.requests.pop(out.request_id, None)
@@ -463,4 +466,5 @@ class Scheduler:
             token_ids=tokens, logprobs=[logprob] * len(tokens), finish_reason=finish_reason,
             error=error, prompt_tokens=len(s.sub.prompt_token_ids),
             completion_tokens=len(s.output_token_ids), error_status=status,
+            cached_tokens=s.cached_tokens,
         )

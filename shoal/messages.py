@@ -206,6 +206,8 @@ class TokenOutput(Message):
         finish_reason: "stop" (EOS or a stop token), "length" (max_tokens or the context window),
             "error", or None while the request goes on.
         error: what went wrong when `finish_reason` is "error".
+        num_cached_tokens: on a request's first token (index 0), the tokens of its prompt that
+            it found in the worker's prefix cache instead of computing them.
     """
 
     TYPE: ClassVar[str] = "token_output"
@@ -215,6 +217,7 @@ class TokenOutput(Message):
     logprob: float | None = None
     finish_reason: str | None = None
     error: str | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -330,6 +333,8 @@ class TokenEvent(Message):
         prompt_tokens, completion_tokens: usage, set on the final event.
         error_status: the HTTP status the error maps to: 400 when the request itself cannot be
             served (too long, too large for any worker), 503 when the fleet failed it.
+        cached_tokens: prompt tokens found in the prefix cache (OpenAI's
+            `usage.prompt_tokens_details.cached_tokens`), known from the first token on.
     """
 
     TYPE: ClassVar[str] = "token_event"
@@ -342,6 +347,7 @@ class TokenEvent(Message):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error_status: int | None = None
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

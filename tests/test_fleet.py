@@ -194,7 +194,12 @@ def test_n_choices_are_seeded_requests_of_their_own(fleet, oracle, tokenizer):
                     texts[c["index"]] += c["delta"].get("content", "")
                 usage = chunk.get("usage") or usage
     assert [texts[0], texts[1]] == [c["message"]["content"] for c in whole["choices"]]
-    assert usage == whole["usage"] and usage["completion_tokens"] > 10  # both choices counted
+    details = usage.pop("prompt_tokens_details")
+    assert usage == {k: v for k, v in whole["usage"].items() if k != "prompt_tokens_details"}
+    assert usage["completion_tokens"] > 10  # both choices counted
+    # The same prompt again: every full block but the last token's was cached by `whole`.
+    assert details["cached_tokens"] == (usage["prompt_tokens"] - 1) // 16 * 16
+    assert whole["usage"]["prompt_tokens_details"]["cached_tokens"] <= details["cached_tokens"]
 
 
 def _prefix_cache_tokens(fleet, url: str | None = None) -> tuple[float, float]:
@@ -217,9 +222,11 @@ def test_prompts_sent_again_and_choices_reuse_cached_prefixes(fleet, oracle, tok
     queries, hits = _prefix_cache_tokens(fleet)
     first = httpx.post(fleet["url"] + "/v1/completions", timeout=60, json=body).json()
     assert first["choices"][0]["text"] == expected
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert _prefix_cache_tokens(fleet) == (queries + len(ids), hits)
     second = httpx.post(fleet["url"] + "/v1/completions", timeout=60, json=body).json()
     assert second["choices"][0]["text"] == expected
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
     assert _prefix_cache_tokens(fleet) == (queries + 2 * len(ids), hits + cached)
     # Another salt finds nothing; three choices of a new prompt compute it once.
     httpx.post(fleet["url"] + "/v1/completions", timeout=60, json={**body, "cache_salt": "other"})
@@ -228,6 +235,7 @@ def test_prompts_sent_again_and_choices_reuse_cached_prefixes(fleet, oracle, tok
                    json={**body, "prompt": prompt + " Again.", "n": 3, "max_tokens": 4,
                          "temperature": 0.8, "seed": 3, "cache_salt": "test-choices"}).json()
     assert len(r["choices"]) == 3
+    assert r["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # choice 0 computed it
     more = (len(tokenizer.encode(prompt + " Again.", add_special_tokens=False)) - 1) // 16 * 16
     assert _prefix_cache_tokens(fleet)[1] == hits + cached + 2 * more
 

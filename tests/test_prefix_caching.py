@@ -213,8 +213,12 @@ def test_requests_share_blocks_while_they_run(fp32_model):
     rng = random.Random(4)
     prompt = _prompt(rng, 2 * BS + 3)
     engine = make_engine(fp32_model)
-    engine.step(IterationPlan(admit=[NewRequest(f"c{i}", prompt, _greedy(8)) for i in range(3)]))
+    start = engine.step(IterationPlan(admit=[NewRequest(f"c{i}", prompt, _greedy(8))
+                                             for i in range(3)]))
+    assert [(o.request_id, o.index, o.num_cached_tokens) for o in start.outputs] == [("c0", 0, 0)]
     first = engine.step()  # the other two take c0's blocks
+    cached = {o.request_id: o.num_cached_tokens for o in first.outputs}
+    assert cached == {"c0": 0, "c1": 2 * BS, "c2": 2 * BS}  # reported on each first token
     tables = [engine.running[f"c{i}"].block_table for i in range(3)]
     assert tables[0][:2] == tables[1][:2] == tables[2][:2]
     assert len({t[2] for t in tables}) == 3  # each its own last, partial block

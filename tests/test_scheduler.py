@@ -393,3 +393,17 @@ def test_placement_ignores_prefixes_of_workers_that_do_not_cache_or_restarted():
     assert _place(sched, _behind(stem, "s1", 1.0)) == first
     sched.update_worker(_caching_worker(first, 200, incarnation="i1"))  # a new process
     assert _place(sched, _behind(stem, "s2", 2.0)) != first
+
+
+def test_events_carry_the_prompt_tokens_found_cached():
+    sched = Scheduler("reserve")
+    w = SimWorker("w", 100)
+    sched.update_worker(w.info())
+    stem = [random.Random(2).randrange(2, CFG.vocab_size) for _ in range(12)]
+    events: list = []
+    for rid in ("first", "again"):  # one after the other: the second finds 12 of 15 cached
+        sched.add_request(_behind(stem, rid, 0.0))
+        while rid in sched.requests:
+            _pump(sched, {"w": w}, events)
+    last = {e.request_id: e for e in events if e.finish_reason}
+    assert (last["first"].cached_tokens, last["again"].cached_tokens) == (0, 12)

@@ -57,6 +57,7 @@ class Sequence:
             lookup.
         num_registered_blocks: leading blocks of `block_table` taken from or entered into the
             prefix cache.
+        num_cached_tokens: tokens it found in the prefix cache when it started.
     """
 
     request_id: str
@@ -70,6 +71,7 @@ class Sequence:
     caches_prefix: bool = False
     block_hashes: list[bytes] | None = None
     num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -256,7 +258,7 @@ class Engine:
             self.kv_cache.allocator.share(hits)
             s.block_table[:] = hits
             s.num_registered_blocks = len(hits)
-            s.num_computed_tokens = len(hits) * bs
+            s.num_computed_tokens = s.num_cached_tokens = len(hits) * bs
             self.prefix_cache_hits += s.num_computed_tokens
 
     def _register_full_blocks(self, s: Sequence) -> None:
@@ -433,7 +435,8 @@ class Engine:
             reason = self._finish_reason(s, tok)
             if reason is not None:
                 self.release(s.request_id)
-            outputs.append(TokenOutput(s.request_id, tok, index, lp, reason))
+            outputs.append(TokenOutput(s.request_id, tok, index, lp, reason,
+                                       num_cached_tokens=0 if index else s.num_cached_tokens))
         return outputs
 
     def _banned_tokens(self, s: Sequence) -> list[int]:
