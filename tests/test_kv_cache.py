@@ -3,27 +3,22 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shoal.messages import NewRequest
 from shoal.sampling_params import SamplingParams
-from tests.conftest import random_weights, tiny_config
-from worker.config import EngineConfig
+from tests.conftest import tiny_config, tiny_engine
 from worker.engine import Engine
-from worker.kv_cache import BlockAllocator, KVCacheFullError, bytes_per_block
+from worker.kv_cache import BlockAllocator, KVCacheFullError
 
 CFG = tiny_config()
-WEIGHTS = random_weights(CFG)
 NUM_BLOCKS = 12
 BLOCK = 4
 
 
 def _engine() -> Engine:
-    kv_bytes = NUM_BLOCKS * bytes_per_block(CFG, BLOCK, torch.float32)
-    return Engine(CFG, WEIGHTS, EngineConfig(dtype=torch.float32, block_size=BLOCK,
-                                            kv_cache_bytes=kv_bytes, max_num_batched_tokens=16))
+    return tiny_engine(NUM_BLOCKS, BLOCK, max_num_batched_tokens=16)
 
 
 def _check_invariants(engine: Engine) -> None:

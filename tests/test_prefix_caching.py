@@ -13,9 +13,7 @@ from hypothesis import strategies as st
 from shoal.messages import IterationPlan, NewRequest
 from shoal.prefix_hash import block_hashes
 from shoal.sampling_params import InvalidSamplingParams, SamplingParams
-from tests.conftest import make_engine, random_weights, tiny_config
-from worker.config import EngineConfig
-from worker.engine import Engine
+from tests.conftest import make_engine, tiny_config, tiny_engine
 from worker.kv_cache import BlockAllocator, KVCacheFullError, bytes_per_block
 from worker.offline import generate
 
@@ -117,15 +115,8 @@ def test_cache_salt_must_not_be_empty():
 # -- block accounting under sharing (a tiny random model) --------------------------------------
 
 CFG = tiny_config()
-WEIGHTS = random_weights(CFG)
 NUM_BLOCKS = 16
 TINY_BS = 4
-
-
-def _tiny_engine() -> Engine:
-    kv_bytes = NUM_BLOCKS * bytes_per_block(CFG, TINY_BS, torch.float32)
-    return Engine(CFG, WEIGHTS, EngineConfig(dtype=torch.float32, block_size=TINY_BS,
-                                            kv_cache_bytes=kv_bytes, max_num_batched_tokens=16))
 
 
 ops = st.lists(
@@ -142,7 +133,7 @@ ops = st.lists(
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops)
 def test_shared_blocks_are_counted_once_and_never_written(sequence):
-    engine = _tiny_engine()
+    engine = tiny_engine(NUM_BLOCKS, TINY_BS, max_num_batched_tokens=16)
     alloc = engine.kv_cache.allocator
     stems = [[(7 * s + j) % (CFG.vocab_size - 2) + 2 for j in range(10)] for s in range(3)]
     n = 0
