@@ -264,3 +264,25 @@ def test_requests_sharing_little_do_not_wait_for_each_other(fp32_model):
                                              NewRequest("b", b, _greedy(2))]))
     assert first.num_prefill_tokens == len(a) + len(b)
     assert sorted(o.request_id for o in first.outputs) == ["a", "b"]
+
+
+def test_choices_of_a_prompt_longer_than_the_budget_follow_it_chunk_by_chunk(fp32_model):
+    rng = random.Random(9)
+    prompt = _prompt(rng, 9 * BS + 6)  # 150 tokens in chunks of at most 64
+    reqs = [NewRequest(f"c{i}", prompt, _greedy(3)) for i in range(3)]
+    cold = generate(make_engine(fp32_model, enable_prefix_caching=False,
+                                max_num_batched_tokens=64), reqs)
+    engine = make_engine(fp32_model, max_num_batched_tokens=64)
+    prefilled, tokens = 0, {}
+    result = engine.step(IterationPlan(admit=reqs))
+    while True:
+        prefilled += result.num_prefill_tokens
+        for o in result.outputs:
+            tokens.setdefault(o.request_id, []).append(o.token_id)
+        if not engine.running:
+            break
+        result = engine.step()
+    # c0 computes the prompt; c1 and c2 wait behind each of its chunks, then compute only the
+    # part of their last block.
+    assert prefilled == len(prompt) + 2 * 6
+    assert tokens == {r: c.token_ids for r, c in cold.items()}

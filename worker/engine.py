@@ -245,21 +245,22 @@ class Engine:
         s.num_discarded += drop
 
     def _reuse_cached_prefix(self, s: Sequence) -> None:
-        """Give a request that has not started the cached blocks of its longest prefix of full
-        blocks (at most all but its last token: that one's logits are needed), which it then
-        owns with the requests that share them; it prefills from there."""
+        """Give a request that has computed nothing itself yet the cached blocks of its longest
+        prefix of full blocks (at most all but its last token: that one's logits are needed),
+        beyond those it already took, which it then owns with the requests that share them; it
+        prefills from there."""
         bs = self.cfg.block_size
         if s.block_hashes is None:
             s.block_hashes = block_hashes(s.token_ids[: (len(s.token_ids) - 1) // bs * bs], bs,
                                           s.params.cache_salt)
             self.prefix_cache_queries += len(s.token_ids)
-        hits = self.kv_cache.allocator.lookup(s.block_hashes)
+        hits = self.kv_cache.allocator.lookup(s.block_hashes[len(s.block_table):])
         if hits:
             self.kv_cache.allocator.share(hits)
-            s.block_table[:] = hits
-            s.num_registered_blocks = len(hits)
-            s.num_computed_tokens = s.num_cached_tokens = len(hits) * bs
-            self.prefix_cache_hits += s.num_computed_tokens
+            s.block_table += hits
+            s.num_registered_blocks = len(s.block_table)
+            s.num_computed_tokens = s.num_cached_tokens = len(s.block_table) * bs
+            self.prefix_cache_hits += len(hits) * bs
 
     def _register_full_blocks(self, s: Sequence) -> None:
         """Enter the blocks `s` has filled since the last call into the prefix cache."""
@@ -324,8 +325,9 @@ class Engine:
         for s in seqs:
             if s.params.context_overflow != "error" and s.context_len >= self.max_model_len:
                 self._overflow(s)
-            elif s.caches_prefix and not s.block_table:
-                self._reuse_cached_prefix(s)
+            elif (s.caches_prefix and s.num_computed_tokens == s.num_cached_tokens
+                  and s.num_uncomputed_tokens > 1):
+                self._reuse_cached_prefix(s)  # not started, or only from the cache so far
         decodes, prefills = self._schedule(seqs[: self.cfg.max_num_seqs])
         num_decode, num_prefill = len(decodes), sum(c for _, c in prefills)
         if decodes or prefills:
@@ -343,23 +345,28 @@ class Engine:
         """Decodes first (one token each), then prefill chunks FCFS within the token budget.
         Grows every chosen request's block table, all or nothing.
 
-        A request that would start by computing at least half of its prompt as an earlier one
-        in this iteration does (the same first blocks) waits one iteration and then finds those
-        blocks in the prefix cache: the n choices of one prompt, a burst of requests behind one
-        long system prompt. Sharing less, it goes ahead: a whole iteration of latency for a
-        little compute is a poor trade."""
+        A request that has computed nothing itself yet and would now compute at least half of
+        what it lacks as an earlier one in this iteration does (the same next blocks) waits one
+        iteration and then finds those blocks in the prefix cache: the n choices of one prompt,
+        a burst of requests behind one long system prompt, chunk by chunk behind a prompt longer
+        than the budget. Sharing less, it goes ahead: a whole iteration of latency for a little
+        compute is a poor trade."""
+        bs = self.cfg.block_size
         decodes = [s for s in seqs if s.num_uncomputed_tokens == 1]
         budget = self.cfg.max_num_batched_tokens - len(decodes)
         prefills: list[tuple[Sequence, int]] = []
-        starting: dict[bytes, list[bytes]] = {}  # first block -> the blocks of a prefill starting
+        # The block each prefill of this iteration computes first -> the rest of its blocks.
+        computing: dict[bytes, list[bytes]] = {}
         for s in seqs:
             if budget <= 0:
                 break
             if s.num_uncomputed_tokens > 1:
-                if s.num_computed_tokens == 0 and s.block_hashes:
-                    earlier = starting.setdefault(s.block_hashes[0], s.block_hashes)
-                    if (earlier is not s.block_hashes and 2 * self.cfg.block_size *
-                            _common_prefix(earlier, s.block_hashes) >= s.num_uncomputed_tokens):
+                j = s.num_computed_tokens // bs
+                if s.block_hashes and j < len(s.block_hashes):
+                    ahead = s.block_hashes[j:]
+                    earlier = computing.setdefault(ahead[0], ahead)
+                    if (earlier is not ahead and s.num_computed_tokens == s.num_cached_tokens
+                            and 2 * bs * _common_prefix(earlier, ahead) >= s.num_uncomputed_tokens):
                         continue
                 chunk = min(s.num_uncomputed_tokens, budget)
                 prefills.append((s, chunk))
