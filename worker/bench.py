@@ -73,7 +73,11 @@ def run_workload(engine: Engine, reqs: list[NewRequest]) -> dict[str, float]:
 
 
 def decode_throughput(engine: Engine, batch: int, prompt_len: int, steps: int) -> float:
-    """Tokens/s of decode-only iterations with `batch` requests of `prompt_len`-token contexts."""
+    """Tokens/s of decode-only iterations with `batch` requests of `prompt_len`-token contexts,
+    prefilled afresh: calls repeat prompts, and requests built from an earlier call's cached
+    blocks decoded 7.5% slower at batch 64 (their blocks lie where that call left them and their
+    new ones come from elsewhere; docs/benchmarks.md, session 19)."""
+    engine.reset_prefix_cache()
     reqs = [NewRequest(f"d{batch}-{i}", [(7 * i + j) % 1000 + 10 for j in range(prompt_len)],
                        SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
             for i in range(batch)]
