@@ -14,7 +14,8 @@ Orca's Algorithm 1 (OSDI'22, §4.1) generalised to many workers, with no I/O in 
   a worker that runs out preempts its newest request, which comes back here to be recomputed;
 - placement: the alive, non-draining worker for the model with the most free blocks (ties: the
   fewest running requests), unless another whose prefix cache likely holds the request's first
-  blocks has nearly as many (`PREFIX_AFFINITY_SLACK`): the choices of one prompt, the turns of
+  blocks has nearly as many and runs not many more requests (`PREFIX_AFFINITY_SLACK`,
+  `PREFIX_AFFINITY_REQUESTS`): the choices of one prompt, the turns of
   a conversation and the requests behind one system prompt then find their prefix cached instead
   of computing it on every worker. What a worker holds is estimated from what was placed on it
   (`PrefixIndex`), as SGLang's cache-aware router does;
@@ -69,6 +70,10 @@ LEARN_SAMPLES = 16
 # even, the roomiest worker once it is not (a popular system prompt must not pile every request
 # onto one worker).
 PREFIX_AFFINITY_SLACK = 0.125
+# ... and while it runs fewer than this many requests more than the least busy candidate: free
+# K/V alone is no measure of load where pools are large (24 requests behind one system prompt
+# took 288 of 6,435 blocks, well within the slack, and all went to one worker of two).
+PREFIX_AFFINITY_REQUESTS = 8
 
 
 @dataclass
@@ -360,13 +365,16 @@ class Scheduler:
     def _prefix_home(self, s: RequestState, candidates: list[WorkerState],
                      roomiest: WorkerState) -> WorkerState:
         """The candidate thought to hold the longest run of `s`'s first blocks in its prefix
-        cache, among those with room for `s` and within `PREFIX_AFFINITY_SLACK` of `roomiest`'s
-        room (the most room among equal runs); `roomiest` where none holds any."""
+        cache, among those with room for `s`, within `PREFIX_AFFINITY_SLACK` of `roomiest`'s
+        room and fewer than `PREFIX_AFFINITY_REQUESTS` requests busier than the least busy
+        candidate (the most room among equal runs); `roomiest` where none holds any."""
         floor = self._room(roomiest) - PREFIX_AFFINITY_SLACK * roomiest.info.num_total_blocks
+        busiest = min(len(w.running) for w in candidates) + PREFIX_AFFINITY_REQUESTS
         home, home_key = roomiest, (0, 0)
         for w in candidates:
             room = self._room(w)
-            if not w.info.prefix_caching or room < floor or self._blocks_needed(s, w) > room:
+            if (not w.info.prefix_caching or room < floor or len(w.running) >= busiest
+                    or self._blocks_needed(s, w) > room):
                 continue
             key = (w.prefix_index.match(s.prefix_hashes(w.info.block_size)), room)
             if key[0] and key > home_key:

@@ -407,3 +407,22 @@ def test_events_carry_the_prompt_tokens_found_cached():
             _pump(sched, {"w": w}, events)
     last = {e.request_id: e for e in events if e.finish_reason}
     assert (last["first"].cached_tokens, last["again"].cached_tokens) == (0, 12)
+
+
+def test_a_shared_prefix_does_not_pile_every_request_onto_one_worker():
+    """Large pools: 24 requests behind one prompt are well within the room slack, so only the
+    request guard spreads them."""
+    from scheduler.core import PREFIX_AFFINITY_REQUESTS
+
+    sched = Scheduler("reserve")
+    for wid in ("a", "b"):
+        sched.update_worker(_caching_worker(wid, 6400))
+    stem = [random.Random(3).randrange(2, CFG.vocab_size) for _ in range(40)]
+    placed = [_place(sched, _behind(stem, f"s{i}", float(i))) for i in range(24)]
+    home = placed[0]
+    # The prefix's worker takes requests until it runs PREFIX_AFFINITY_REQUESTS more than the
+    # other; from then on both hold the prefix and share the rest within that margin.
+    assert placed[:PREFIX_AFFINITY_REQUESTS] == [home] * PREFIX_AFFINITY_REQUESTS
+    assert placed[PREFIX_AFFINITY_REQUESTS] != home
+    counts = [len(sched.workers[w].running) for w in ("a", "b")]
+    assert abs(counts[0] - counts[1]) <= PREFIX_AFFINITY_REQUESTS and sum(counts) == 24
