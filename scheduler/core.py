@@ -52,7 +52,7 @@ from shoal.messages import (
     TokenEvent,
     WorkerInfo,
 )
-from shoal.prefix_hash import block_hashes
+from shoal.prefix_hash import lookup_hashes
 
 POLICIES = ("reserve", "ondemand", "request-level")
 
@@ -71,8 +71,9 @@ LEARN_SAMPLES = 16
 # onto one worker).
 PREFIX_AFFINITY_SLACK = 0.125
 # ... and while it runs fewer than this many requests more than the least busy candidate: free
-# K/V alone is no measure of load where pools are large (24 requests behind one system prompt
-# took 288 of 6,435 blocks, well within the slack, and all went to one worker of two).
+# K/V alone is no measure of load where pools are large. Without this guard, `shoal chaos
+# --requests 24 --workers 2 --max-tokens 160 --kill-interval 1.5` (one prompt for all) failed
+# all 24 requests with one worker's kills; with it 12, as placement by free K/V alone did.
 PREFIX_AFFINITY_REQUESTS = 8
 
 
@@ -97,16 +98,12 @@ class RequestState:
         return len(self.sub.prompt_token_ids) + len(self.output_token_ids)
 
     def prefix_hashes(self, block_size: int) -> list[bytes]:
-        """The keys a worker's prefix cache would look this request up by: its full blocks of
-        `block_size` tokens (prompt and output so far) but the one holding its last token; none
-        for a request that may run past the context window, which the worker does not cache."""
-        if self.sub.params.context_overflow != "error":
-            return []
+        """The keys a worker's prefix cache would look this request up by, over its prompt and
+        output so far (`shoal.prefix_hash.lookup_hashes`)."""
         if self._hashes is None or self._hashes[:2] != (block_size, self.num_tokens):
             tokens = [*self.sub.prompt_token_ids, *self.output_token_ids]
-            full = (len(tokens) - 1) // block_size * block_size
             self._hashes = (block_size, self.num_tokens,
-                            block_hashes(tokens[:full], block_size, self.sub.params.cache_salt))
+                            lookup_hashes(tokens, block_size, self.sub.params))
         return self._hashes[2]
 
 

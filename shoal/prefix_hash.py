@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 
+from shoal.sampling_params import SamplingParams
+
 
 def block_hashes(token_ids: list[int], block_size: int, salt: str | None = None,
                  parents: list[bytes] = ()) -> list[bytes]:
@@ -30,3 +32,14 @@ def block_hashes(token_ids: list[int], block_size: int, salt: str | None = None,
         h.update(array("q", token_ids[j * block_size:(j + 1) * block_size]).tobytes())
         out.append(h.digest())
     return out
+
+
+def lookup_hashes(token_ids: list[int], block_size: int, params: SamplingParams) -> list[bytes]:
+    """The keys a request is looked up by when it starts: its full blocks but the one holding
+    its last token (whose logits it needs, so that token is always computed); none for a
+    request that may run past the context window, whose blocks are never cached (its shifts
+    rewrite them in place)."""
+    if params.context_overflow != "error":
+        return []
+    full = (len(token_ids) - 1) // block_size * block_size
+    return block_hashes(token_ids[:full], block_size, params.cache_salt)

@@ -68,6 +68,8 @@ def test_bench_engine_quick_writes_its_json(tmp_path):
     assert figures["shoal"]["generated_tokens"] > 0
     runs = figures["shoal_runs"]  # the same requests three times; the median run is reported
     assert len(runs) == 3 and {r["generated_tokens"] for r in runs} == {figures["shoal"]["generated_tokens"]}
+    # Each run starts from an empty prefix cache: the repeats compute their prompts again.
+    assert [r["prefix_cache_hit_tokens"] for r in runs] == [0, 0, 0]
     speeds = sorted(r["generated_tokens_per_s"] for r in runs)
     assert figures["shoal"]["generated_tokens_per_s"] == speeds[1]
     assert figures["transformers_static_batch8"]["generated_tokens"] == figures["shoal"]["generated_tokens"]

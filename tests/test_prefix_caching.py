@@ -286,3 +286,32 @@ def test_choices_of_a_prompt_longer_than_the_budget_follow_it_chunk_by_chunk(fp3
     # part of their last block.
     assert prefilled == len(prompt) + 2 * 6
     assert tokens == {r: c.token_ids for r, c in cold.items()}
+
+
+def test_a_released_table_is_evicted_tail_first(fp32_model):
+    rng = random.Random(10)
+    prompt = _prompt(rng, 3 * BS + 1)
+    cfg, _ = fp32_model
+    engine = make_engine(fp32_model, kv_cache_bytes=4 * bytes_per_block(cfg, BS, torch.float32))
+    generate(engine, [NewRequest("a", prompt, _greedy(1))])  # 3 blocks cached, 1 plain free
+    alloc = engine.kv_cache.allocator
+    alloc.free(alloc.allocate(2))  # the plain one, then one eviction: the table's last block
+    hashes = block_hashes(prompt, BS)
+    assert len(alloc.lookup(hashes)) == 2  # its head still found
+
+
+def test_a_preempted_request_finds_its_prompt_and_output_cached(fp32_model):
+    rng = random.Random(11)
+    prompt = _prompt(rng, 2 * BS + 5)
+    whole = generate(make_engine(fp32_model), [NewRequest("r", prompt, _greedy(30))])["r"].token_ids
+    engine = make_engine(fp32_model)
+    engine.step(IterationPlan(admit=[NewRequest("r", prompt, _greedy(30))]))
+    for _ in range(19):
+        engine.step()
+    done = list(engine.running["r"].token_ids[len(prompt):])
+    assert len(done) == 20
+    engine.release("r")  # preempted; admitted again with its output, as the scheduler does
+    hits = engine.prefix_cache_hits
+    rest = generate(engine, [NewRequest("r", prompt, _greedy(30), done)])["r"].token_ids
+    assert engine.prefix_cache_hits - hits == (len(prompt) + 20 - 1) // BS * BS
+    assert done + rest == whole

@@ -426,3 +426,14 @@ def test_a_shared_prefix_does_not_pile_every_request_onto_one_worker():
     assert placed[PREFIX_AFFINITY_REQUESTS] != home
     counts = [len(sched.workers[w].running) for w in ("a", "b")]
     assert abs(counts[0] - counts[1]) <= PREFIX_AFFINITY_REQUESTS and sum(counts) == 24
+
+
+def test_a_workers_prefix_index_keeps_its_most_recent_blocks():
+    from scheduler.core import PrefixIndex
+
+    index = PrefixIndex()
+    index.add([b"a", b"b", b"c"], capacity=4)
+    index.add([b"a", b"d"], capacity=4)  # "a" made recent again, "d" new: four held
+    assert index.match([b"a", b"b", b"c", b"d"]) == 4
+    index.add([b"e"], capacity=4)  # "b", the least recent, goes
+    assert index.match([b"a", b"b"]) == 1 and index.match([b"c", b"d", b"e"]) == 3

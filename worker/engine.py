@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from shoal.messages import IterationPlan, IterationResult, NewRequest, TokenOutput
-from shoal.prefix_hash import block_hashes
+from shoal.prefix_hash import block_hashes, lookup_hashes
 from shoal.sampling_params import SamplingParams
 from worker.attention import build_metadata
 from worker.config import EngineConfig, ModelConfig, default_device
@@ -251,8 +251,7 @@ class Engine:
         prefills from there."""
         bs = self.cfg.block_size
         if s.block_hashes is None:
-            s.block_hashes = block_hashes(s.token_ids[: (len(s.token_ids) - 1) // bs * bs], bs,
-                                          s.params.cache_salt)
+            s.block_hashes = lookup_hashes(s.token_ids, bs, s.params)
             self.prefix_cache_queries += len(s.token_ids)
         hits = self.kv_cache.allocator.lookup(s.block_hashes[len(s.block_table):])
         if hits:
