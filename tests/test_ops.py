@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
@@ -25,6 +29,31 @@ from worker.linear import (
 )
 
 pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the C++ kernels did not build here")
+
+LOAD = [sys.executable, "-c", "from worker import cpu_ops; print(cpu_ops.load())"]
+
+
+def test_a_process_killed_while_loading_does_not_block_the_next():
+    """torch holds a lock file for every load (about 1.5 s when built); a worker killed in that
+    window (a chaos kill, the OOM killer) left it behind and every later worker on the machine
+    waited on it forever (CI, session 19)."""
+    lock = cpu_ops.build_directory() / "lock"
+    victim = subprocess.Popen(LOAD, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not lock.exists() and victim.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert lock.exists(), "the loading process never took torch's lock"
+        victim.kill()
+        victim.wait(10)
+        assert lock.exists()  # the stale lock the next process meets
+        r = subprocess.run(LOAD, capture_output=True, text=True, timeout=120)
+        assert r.stdout.strip() == "True", r.stderr
+        assert not lock.exists()
+    finally:
+        victim.kill()
+        lock.unlink(missing_ok=True)
+
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32, torch.bfloat16]

@@ -2,9 +2,15 @@
 
 The extension is compiled by `torch.utils.cpp_extension.load` against the torch that is installed,
 so its ABI always matches: a wheel built ahead of time (or in pip's isolated build environment)
-would pin one torch. The build takes about a minute once per machine and is cached under
+would pin one torch. The build takes about half a minute once per machine and is cached under
 `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`); the cache name carries a hash of the
-CPU's feature flags, because the code is built with `-march=native`.
+CPU's feature flags, because the code is built with `-march=native`, and of torch's version.
+
+Processes starting together (a node's workers, tensor-parallel ranks) take turns through an
+`flock` on a file beside the build: the kernel drops it when its holder dies. torch's own lock
+(`FileBaton`, a file that exists while held) is held for every load, about 1.5 s even when nothing
+is built, and stays behind when a process is killed inside that window; every later load then
+waits on it forever. Holding the flock, a process removes such a stale file before loading.
 
 `load()` returns False (and the engine uses its torch path) when no C++ compiler is present or the
 build fails; `SHOAL_CPU_OPS=0` turns the kernels off.
@@ -12,6 +18,7 @@ build fails; `SHOAL_CPU_OPS=0` turns the kernels off.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -51,9 +58,17 @@ def cpu_computes_bfloat16() -> bool | None:
 
 
 def _cpu_tag() -> str:
-    """A short hash of what the compiler's `-march=native` depends on."""
+    """A short hash of what the build depends on besides its source: the CPU (`-march=native`)
+    and torch (its ABI)."""
     flags = cpu_flags() or platform.processor()
-    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+    return hashlib.sha1(f"{platform.machine()} {flags} {torch.__version__}".encode()).hexdigest()[:10]
+
+
+def build_directory() -> Path:
+    """Where the kernels for this CPU and torch are built: `$TORCH_EXTENSIONS_DIR/shoal_cpu_ops_<tag>`."""
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension.get_default_build_root()) / f"shoal_cpu_ops_{_cpu_tag()}"
 
 
 def load() -> bool:
@@ -69,17 +84,26 @@ def _build() -> bool:
         return False
     from torch.utils import cpp_extension
 
+    build_dir = build_directory()
+    name = build_dir.name
     try:
-        cpp_extension.load(
-            name=f"shoal_cpu_ops_{_cpu_tag()}",
-            sources=[str(SOURCE)],
-            # -fno-trapping-math lets GCC vectorise std::floor (fast_exp); nothing here reads FP flags.
-            extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp",
-                          "-fno-trapping-math"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with open(build_dir.parent / f"{name}.flock", "a") as turn:
+            fcntl.flock(turn, fcntl.LOCK_EX)  # dropped on close, or by the kernel if we die
+            # torch's baton: while we hold the flock no live shoal process holds it.
+            (build_dir / "lock").unlink(missing_ok=True)
+            cpp_extension.load(
+                name=name,
+                build_directory=str(build_dir),
+                sources=[str(SOURCE)],
+                # -fno-trapping-math lets GCC vectorise std::floor (fast_exp); nothing here reads
+                # FP flags.
+                extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp",
+                              "-fno-trapping-math"],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as e:  # no compiler, no ninja, a compile error: serve on the torch path
         log.warning("shoal CPU kernels unavailable (%s); using the torch path", e)
         return False
