@@ -72,12 +72,21 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="auto: triton on CUDA, the torch path (C++ kernels) on the CPU")
     _add_prefix_caching_arg(p)
+    _add_speculative_arg(p)
 
 
 def _add_prefix_caching_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the K/V blocks of prompt prefixes already computed (default on; "
                         "requests share only with requests of the same cache_salt)")
+
+
+def _add_speculative_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding by prompt lookup, as vLLM: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                        '"prompt_lookup_min": 2, "disable_by_batch_size": 4}\' (keys optional; '
+                        'default off); see docs/engine.md')
 
 
 DEFAULT_HEALTH_URL = "http://127.0.0.1:8000/healthz"
@@ -187,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every worker's attention backend (auto: triton on CUDA, else torch)")
     _add_tensor_parallel_arg(u)
     _add_prefix_caching_arg(u)
+    _add_speculative_arg(u)
     u.add_argument("--policy", choices=POLICIES, default="reserve", help="the scheduler's policy")
     u.add_argument("--jobs", action="store_true",
                    help="also start a Celery worker for batch jobs (/v1/jobs)")
@@ -294,16 +304,18 @@ def _bench_sampling(args: argparse.Namespace) -> tuple[float, float]:
 
 
 def _engine_config(args: argparse.Namespace):
-    from worker.config import EngineConfig, resolve_dtype
+    from worker.config import EngineConfig, SpeculativeConfig, resolve_dtype
 
     try:
+        speculative = (None if args.speculative_config is None
+                       else SpeculativeConfig.from_json(args.speculative_config))
         return EngineConfig(
             dtype=resolve_dtype(args.dtype, args.device), block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
             kv_cache_memory_fraction=args.kv_cache_memory_fraction,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, quantization=args.quantization,
             device=args.device, attention_backend=args.attention_backend,
-            enable_prefix_caching=args.enable_prefix_caching,
+            enable_prefix_caching=args.enable_prefix_caching, speculative=speculative,
         )
     except ValueError as e:
         raise CLIError(str(e)) from e
@@ -532,6 +544,13 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     from shoal.fleet import up
+    from worker.config import SpeculativeConfig
+
+    if args.speculative_config is not None:  # refused here, not by every worker as it starts
+        try:
+            SpeculativeConfig.from_json(args.speculative_config)
+        except ValueError as e:
+            raise CLIError(str(e)) from e
 
     worker_args = ["--dtype", args.dtype, "--quantization", args.quantization,
                    "--attention-backend", args.attention_backend,
@@ -539,7 +558,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
                    "--enable-prefix-caching" if args.enable_prefix_caching
                    else "--no-enable-prefix-caching"]
     for flag, value in (("--model", args.model), ("--kv-cache-bytes", args.kv_cache_bytes),
-                        ("--max-model-len", args.max_model_len), ("--threads", args.threads)):
+                        ("--max-model-len", args.max_model_len), ("--threads", args.threads),
+                        ("--speculative-config", args.speculative_config)):
         if value is not None:
             worker_args += [flag, str(value)]
     try:

@@ -6,7 +6,8 @@ an engine warmed up by one run of other such requests (the median run is reporte
 requests then run through transformers `generate` in static batches of 8 (request-level
 batching: a batch runs until its longest request is done; the Orca paper's baseline), in the same
 process, in bfloat16. The run also times decode iterations at batch 1, 8, 32 and 64,
-single-stream decode (a 128-token prompt, 128 tokens out) and one prefill iteration. With
+single-stream decode (a 128-token prompt, 128 tokens out; and three real chat prompts) and one
+prefill iteration. With
 `--quantization` it also reports the perplexity of a real text, quantized against unquantized,
 one token per iteration and as one prompt (worker/perplexity.py).
 """
@@ -17,6 +18,7 @@ import json
 import resource
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -74,9 +76,11 @@ def run_workload(engine: Engine, reqs: list[NewRequest]) -> dict[str, float]:
 
 def decode_throughput(engine: Engine, batch: int, prompt_len: int, steps: int) -> float:
     """Tokens/s of decode-only iterations with `batch` requests of `prompt_len`-token contexts,
-    prefilled afresh: calls repeat prompts, and requests built from an earlier call's cached
-    blocks decoded 7.5% slower at batch 64 (their blocks lie where that call left them and their
-    new ones come from elsewhere; docs/benchmarks.md, session 19)."""
+    prefilled afresh, until each has generated `steps` more tokens (`steps` iterations, fewer
+    where speculative decoding keeps drafts). Prefilled afresh: calls repeat prompts, and
+    requests built from an earlier call's cached blocks decoded 7.5% slower at batch 64 (their
+    blocks lie where that call left them and their new ones come from elsewhere;
+    docs/benchmarks.md, session 19)."""
     engine.reset_prefix_cache()
     reqs = [NewRequest(f"d{batch}-{i}", [(7 * i + j) % 1000 + 10 for j in range(prompt_len)],
                        SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
@@ -84,14 +88,47 @@ def decode_throughput(engine: Engine, batch: int, prompt_len: int, steps: int) -
     engine.step(IterationPlan(admit=reqs))
     while any(s.num_uncomputed_tokens > 1 for s in engine.running.values()):
         engine.step()  # finish chunked prefills
-    engine.step()
+    engine.step()  # the first decode of each: warm, not counted
     t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    elapsed = time.perf_counter() - t0
-    for r in reqs:
-        engine.release(r.request_id)
-    return batch * steps / elapsed
+    generated = 0
+    while engine.running:
+        generated += sum(o.token_id is not None for o in engine.step().outputs)
+    return generated / (time.perf_counter() - t0)
+
+
+# Real chat prompts for single-stream decode: one an answer copies much of (prompt lookup's
+# best case), one it copies a little of, one it copies nothing of.
+CHAT_PROMPTS = (
+    "Fix the grammar of this text and repeat it in full: 'The cat sit on the mat and it were "
+    "very happy, because the sun are warm and the birds is singing in the trees all day long. "
+    "Then the dog come home and eat it dinner.'",
+    "Rename the variable x to count in this code and show the whole code:\ndef f(items):\n"
+    "    x = 0\n    for item in items:\n        if item > 0:\n            x += item\n    return x\n",
+    "What is the capital of France? Tell me about its history.",
+)
+
+
+def chat_single_stream(path: Path, engine: Engine, max_tokens: int) -> dict:
+    """Single-stream decode on the `CHAT_PROMPTS` (chat template applied, greedy, up to
+    `max_tokens` each, stopping at EOS): generated tokens/s over the three, and the speculative
+    drafts checked and kept."""
+    from shoal.model_files import load_tokenizer
+
+    tok = load_tokenizer(path)
+    drafts, kept = engine.spec_draft_tokens, engine.spec_accepted_tokens
+    generated, elapsed = 0, 0.0
+    for i, text in enumerate(CHAT_PROMPTS):
+        chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                       add_generation_prompt=True)
+        ids = tok.encode(chat, add_special_tokens=False)
+        engine.reset_prefix_cache()
+        req = NewRequest(f"chat{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        t0 = time.perf_counter()
+        generated += sum(o.token_id is not None for o in stream(engine, [req]))
+        elapsed += time.perf_counter() - t0
+    return {"generated_tokens": generated, "generated_tokens_per_s": generated / elapsed,
+            "draft_tokens": engine.spec_draft_tokens - drafts,
+            "accepted_tokens": engine.spec_accepted_tokens - kept}
 
 
 def prefill_throughput(engine: Engine, num: int, prompt_len: int) -> float:
@@ -208,7 +245,11 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
         for b in batches:
             decode[str(b)] = decode_throughput(engine, b, 128, steps)
     with console.status("single-stream decode"):
+        drafts, kept = engine.spec_draft_tokens, engine.spec_accepted_tokens
         single = decode_throughput(engine, 1, 128, 8 if quick else 128)
+        single_spec = {"draft_tokens": engine.spec_draft_tokens - drafts,
+                       "accepted_tokens": engine.spec_accepted_tokens - kept}
+        chat = chat_single_stream(path, engine, 8 if quick else 128)
     quality = None
     if cfg.quantization != "none":
         with console.status("perplexity, quantized against unquantized"):
@@ -248,6 +289,18 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
     for b, v in decode.items():
         table.add_row(f"decode tokens/s at batch {b}", f"{v:.1f}")
     table.add_row("single-stream decode tokens/s (128-token prompt, 128 out)", f"{single:.1f}")
+    table.add_row(f"single-stream decode tokens/s, {len(CHAT_PROMPTS)} chat prompts (greedy, "
+                  f"to EOS or {8 if quick else 128})", f"{chat['generated_tokens_per_s']:.1f}")
+    spec = cfg.speculative
+    if spec is not None:
+        table.add_row("speculative decoding", f"{spec.method}, {spec.num_speculative_tokens} "
+                      f"tokens, lookup {spec.prompt_lookup_min}-{spec.prompt_lookup_max}, off "
+                      f"above {spec.disable_by_batch_size} decodes")
+        table.add_row("drafts kept / checked: single stream; chat prompts",
+                      f"{single_spec['accepted_tokens']} / {single_spec['draft_tokens']}; "
+                      f"{chat['accepted_tokens']} / {chat['draft_tokens']}")
+    else:
+        table.add_row("speculative decoding", "off")
     if quality:
         for path_name, key in (("one token per iteration", ""), ("as one prompt", "prefill_")):
             table.add_row(f"perplexity, {quality['tokens']} tokens of {quality['text']} "
@@ -276,6 +329,8 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
         "dtype": str(cfg.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
         "shoal": ours, "shoal_runs": runs, "transformers_static_batch8": base,
         "decode_tokens_per_s": decode, "single_stream_decode_tokens_per_s": single,
+        "single_stream_speculation": single_spec, "chat_single_stream": chat,
+        "speculative": None if cfg.speculative is None else asdict(cfg.speculative),
         "quantization": cfg.quantization, "perplexity": quality,
         "cpu_kernels": engine.model.kernels, "amx": amx, "avx512_bf16": bf16_pairs,
         "attention_backend": engine.model.attention.name,

@@ -51,6 +51,73 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding by prompt lookup: draft tokens from the request's own context,
+    checked by the model in one pass (vLLM's `--speculative-config`, method "ngram"; Saxena 2023,
+    "Prompt Lookup Decoding"; Leviathan et al. 2023, "Fast Inference from Transformers via
+    Speculative Decoding").
+
+    Attributes:
+        method: "ngram".
+        num_speculative_tokens: most draft tokens per request per iteration.
+        prompt_lookup_max: longest suffix (tokens) looked up in the context.
+        prompt_lookup_min: shortest suffix (tokens) that may propose drafts.
+        disable_by_batch_size: iterations with more decodes than this draft nothing: a decode
+            of a few rows reads every weight once whatever its rows (memory-bound), one of many
+            rows pays for each (compute-bound), and rejected drafts would cost real time.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "disable_by_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"prompt_lookup_max ({self.prompt_lookup_max}) must be at least "
+                             f"prompt_lookup_min ({self.prompt_lookup_min})")
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """Parse `--speculative-config`: a JSON object of the attributes above, e.g.
+        `{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}`.
+
+        Raises:
+            ValueError: not a JSON object, an unknown key, a value of the wrong type or range.
+        """
+        import json
+
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not JSON: {e}") from None
+        if not isinstance(fields, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = set(cls.__dataclass_fields__)
+        if unknown := sorted(set(fields) - known):
+            raise ValueError(f"--speculative-config: unknown key(s) {', '.join(unknown)} "
+                             f"(known: {', '.join(sorted(known))})")
+        for name, value in fields.items():
+            want = str if name == "method" else int
+            if not isinstance(value, want) or isinstance(value, bool):
+                raise ValueError(f"--speculative-config: {name} must be {want.__name__}, "
+                                 f"got {value!r}")
+        if "prompt_lookup_max" in fields and "prompt_lookup_min" not in fields:
+            fields["prompt_lookup_min"] = min(cls.prompt_lookup_min, fields["prompt_lookup_max"])
+        return cls(**fields)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Knobs of one worker's engine.
@@ -79,6 +146,7 @@ class EngineConfig:
         enable_prefix_caching: requests whose prompts begin with the same full blocks of tokens
             (and carry the same `cache_salt`) share those blocks' K/V instead of computing them
             again; blocks no request owns stay cached until evicted (worker.kv_cache).
+        speculative: speculative decoding (SpeculativeConfig), None for none.
     """
 
     dtype: torch.dtype = torch.bfloat16
@@ -93,6 +161,7 @@ class EngineConfig:
     device: str | None = None
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

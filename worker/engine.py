@@ -26,6 +26,7 @@ from worker.kv_cache import KVCache, KVCacheFullError
 from worker.loader import load_model
 from worker.model import LlamaModel
 from worker.sampler import Sampler, skip_draws
+from worker.speculative import propose_ngram
 
 __all__ = ["Engine", "InvalidRequestError", "KVCacheFullError", "Sequence"]
 
@@ -58,6 +59,8 @@ class Sequence:
         num_registered_blocks: leading blocks of `block_table` taken from or entered into the
             prefix cache.
         num_cached_tokens: tokens it found in the prefix cache when it started.
+        draft_token_ids: speculative tokens proposed for it in this iteration (checked by the
+            forward pass after its last token; empty between iterations).
     """
 
     request_id: str
@@ -72,6 +75,7 @@ class Sequence:
     block_hashes: list[bytes] | None = None
     num_registered_blocks: int = 0
     num_cached_tokens: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_output_tokens(self) -> int:
@@ -126,6 +130,9 @@ class Engine:
         # Tokens of starting requests looked up in the prefix cache, and those found there.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Speculative decoding: draft tokens checked, and those the model kept.
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
 
     @staticmethod
     def build_parts(model_cfg: ModelConfig, weights: dict[str, torch.Tensor], cfg: EngineConfig,
@@ -328,7 +335,8 @@ class Engine:
                   and s.num_uncomputed_tokens > 1):
                 self._reuse_cached_prefix(s)  # not started, or only from the cache so far
         decodes, prefills = self._schedule(seqs[: self.cfg.max_num_seqs])
-        num_decode, num_prefill = len(decodes), sum(c for _, c in prefills)
+        num_decode = len(decodes) + sum(len(s.draft_token_ids) for s in decodes)
+        num_prefill = sum(c for _, c in prefills)
         if decodes or prefills:
             outputs += self._run(decodes, prefills)
         return IterationResult(
@@ -380,25 +388,53 @@ class Engine:
             self.kv_cache.grow(s.block_table, s.num_computed_tokens + 1)
         for s, c in prefills:
             self.kv_cache.grow(s.block_table, s.num_computed_tokens + c)
+        spec = self.cfg.speculative
+        if spec is not None and len(decodes) <= spec.disable_by_batch_size:
+            for s in decodes:
+                self._propose_drafts(s, spec)
         return decodes, prefills
 
+    def _propose_drafts(self, s: Sequence, spec) -> None:
+        """Set `s.draft_token_ids` (worker.speculative) and grow its table for them, as far as
+        free blocks allow: drafts are an option, never a reason to preempt. None past
+        `max_tokens` or the window (the tokens a pass yields are drafts kept plus one), and none
+        for requests that overflow the window (their blocks shift in place)."""
+        if s.params.context_overflow != "error":
+            return
+        room = min(spec.num_speculative_tokens, s.params.max_tokens - s.num_output_tokens - 1,
+                   self.max_model_len - s.context_len - 1)
+        drafts = propose_ngram(s.token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        end = s.num_computed_tokens + 1 + len(drafts)
+        if drafts and self.kv_cache.blocks_needed(s.block_table, end) <= self.num_free_blocks:
+            self.kv_cache.grow(s.block_table, end)
+            s.draft_token_ids = drafts
+
     def _run(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> list[TokenOutput]:
-        ids: list[int] = [s.token_ids[-1] for s in decodes]
-        positions: list[int] = [s.num_computed_tokens for s in decodes]
-        sample_rows: list[int] = list(range(len(decodes)))
-        samplers: list[Sequence] = list(decodes)
-        row = len(decodes)
-        for s, c in prefills:
+        # Rows: plain decodes, then chunks (a drafting decode's last token and its drafts, then
+        # prefill chunks). `samplers` pairs each request that samples with its first logits
+        # row; a drafting request's other rows follow its first.
+        plain = [s for s in decodes if not s.draft_token_ids]
+        chunks = [(s, 1 + len(s.draft_token_ids)) for s in decodes if s.draft_token_ids]
+        chunks += prefills
+        ids: list[int] = [s.token_ids[-1] for s in plain]
+        positions: list[int] = [s.num_computed_tokens for s in plain]
+        sample_rows: list[int] = list(range(len(plain)))
+        samplers: list[tuple[Sequence, int]] = list(zip(plain, sample_rows))
+        for s, c in chunks:
             start = s.num_computed_tokens
-            ids += s.context_ids()[start : start + c]
+            if s.draft_token_ids:
+                ids += [s.token_ids[-1], *s.draft_token_ids]
+                samplers.append((s, len(sample_rows)))
+                sample_rows += range(len(ids) - c, len(ids))
+            else:
+                ids += s.context_ids()[start : start + c]
+                if start + c == s.context_len:  # the prompt is done: this chunk samples
+                    samplers.append((s, len(sample_rows)))
+                    sample_rows.append(len(ids) - 1)
             positions += range(start, start + c)
-            row += c
-            if start + c == s.context_len:  # the prompt is done: this chunk samples
-                sample_rows.append(row - 1)
-                samplers.append(s)
         meta = build_metadata(
-            [s.block_table for s in decodes], [s.num_computed_tokens + 1 for s in decodes],
-            [(s.block_table, s.num_computed_tokens, c) for s, c in prefills],
+            [s.block_table for s in plain], [s.num_computed_tokens + 1 for s in plain],
+            [(s.block_table, s.num_computed_tokens, c) for s, c in chunks],
             self.cfg.block_size, self.device,
         )
         # Only the sampling rows' final hidden states are read (all of them in a decode-only
@@ -408,42 +444,85 @@ class Engine:
         hidden = self.model.forward(torch.tensor(ids, device=self.device),
                                     torch.tensor(positions, device=self.device), meta, self.kv_cache,
                                     out_rows)
-        for s in decodes:
+        for s in plain:
             s.num_computed_tokens += 1
         for s, c in prefills:
             s.num_computed_tokens += c
-        for s in decodes + [s for s, _ in prefills]:
+        for s in plain + [s for s, _ in prefills]:
             if s.caches_prefix:
                 self._register_full_blocks(s)
         if not samplers:
             return []
         # Greedy rows that want no logprobs, ban no token and adjust no logit (bias, penalty)
         # need only the argmax.
-        params = [s.params for s in samplers]
-        full = (self.keep_logits or self.sampler.needs_logits(params)
-                or any(self._banned_tokens(s) for s in samplers))
+        seqs = [s for s, _ in samplers]
+        full = (self.keep_logits or self.sampler.needs_logits([s.params for s in seqs])
+                or any(self._banned_tokens(s) for s in seqs))
         logits, argmax = self.model.compute_logits(hidden, full)  # the sampling rows only
         # Sampling runs on the CPU: each request's seeded generator is a CPU generator, and the
         # rows that sample are few. (On the CPU these are no-ops.)
         argmax = argmax.cpu()
         if full:
             logits = logits.cpu()
-            if self._suppress_early_stop(logits, samplers):
-                argmax = None  # banned tokens changed the rows: the sampler takes its own argmax
             if self.keep_logits:
-                self.last_logits = {s.request_id: logits[i].clone() for i, s in enumerate(samplers)}
-        tokens, logprobs = self.sampler(logits, params, [s.generator for s in samplers], argmax,
-                                        [(s.token_ids, s.num_prompt_tokens) for s in samplers])
-        outputs = []
-        for s, tok, lp in zip(samplers, tokens, logprobs):
-            index = s.num_output_tokens
-            s.token_ids.append(tok)
-            reason = self._finish_reason(s, tok)
-            if reason is not None:
-                self.release(s.request_id)
-            outputs.append(TokenOutput(s.request_id, tok, index, lp, reason,
-                                       num_cached_tokens=0 if index else s.num_cached_tokens))
+                self.last_logits = {s.request_id: logits[r].clone() for s, r in samplers}
+        else:
+            logits = None
+        # Round j samples each request's row j. A drafting request goes on to its next row while
+        # the token sampled equals its draft there: its tokens are those plain decoding would
+        # have sampled, draw for draw (Leviathan et al. 2023, §2.3, with the draft's
+        # distribution a point mass: a draft is kept with probability p(draft)).
+        outputs: list[TokenOutput] = []
+        kept = {s.request_id: 0 for s, _ in samplers}
+        while samplers:
+            tokens, logprobs = self._sample([s for s, _ in samplers], [r for _, r in samplers],
+                                            logits, argmax)
+            going_on = []
+            for (s, r), tok, lp in zip(samplers, tokens, logprobs):
+                index = s.num_output_tokens
+                s.token_ids.append(tok)
+                reason = self._finish_reason(s, tok)
+                outputs.append(TokenOutput(s.request_id, tok, index, lp, reason,
+                                           num_cached_tokens=0 if index else s.num_cached_tokens))
+                if reason is not None:
+                    self.release(s.request_id)
+                    continue
+                j = kept[s.request_id]
+                if j < len(s.draft_token_ids) and tok == s.draft_token_ids[j]:
+                    kept[s.request_id] = j + 1
+                    going_on.append((s, r + 1))
+            samplers = going_on
+        for s, _ in chunks:
+            if s.draft_token_ids:
+                self._settle_drafts(s, kept[s.request_id])
         return outputs
+
+    def _settle_drafts(self, s: Sequence, kept: int) -> None:
+        """After a drafting request sampled: its last token and the `kept` drafts before the
+        first rejected one are computed; the rejected drafts' K/V lie past
+        `num_computed_tokens` (overwritten later) and the blocks only they used are freed."""
+        self.spec_draft_tokens += len(s.draft_token_ids)
+        self.spec_accepted_tokens += kept
+        s.draft_token_ids = []
+        if s.request_id not in self.running:
+            return  # finished: released with its blocks
+        s.num_computed_tokens += 1 + kept
+        self.kv_cache.truncate(s.block_table, s.num_computed_tokens)
+        if s.caches_prefix:
+            self._register_full_blocks(s)
+
+    def _sample(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor | None,
+                argmax: torch.Tensor) -> tuple[list[int], list[float | None]]:
+        """One token for each of `seqs` from its logits row in `rows` (of `logits` `[rows,
+        vocab]` float32, None when only the argmax `[rows]` int64 is needed): with its banned
+        tokens (`_banned_tokens`) and its history as it stands."""
+        if rows != list(range(len(argmax))):  # a round of drafting requests: their rows only
+            argmax = argmax[rows]
+            logits = None if logits is None else logits[rows]
+        if logits is not None and self._suppress_early_stop(logits, seqs):
+            argmax = None  # banned tokens changed the rows: the sampler takes its own argmax
+        return self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs], argmax,
+                            [(s.token_ids, s.num_prompt_tokens) for s in seqs])
 
     def _banned_tokens(self, s: Sequence) -> list[int]:
         """`min_tokens`: before it is reached, EOS (unless ignored) and the stop tokens cannot be

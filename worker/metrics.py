@@ -15,6 +15,10 @@ PREFIX_CACHE_QUERIES = Counter("shoal_prefix_cache_queries",
                                "Tokens of requests looked up in the prefix cache when they start")
 PREFIX_CACHE_HITS = Counter("shoal_prefix_cache_hits",
                             "Tokens found in the prefix cache (their K/V not computed again)")
+SPEC_DRAFT_TOKENS = Counter("shoal_spec_decode_num_draft_tokens",
+                            "Speculative draft tokens checked by the model")
+SPEC_ACCEPTED_TOKENS = Counter("shoal_spec_decode_num_accepted_tokens",
+                               "Speculative draft tokens the model kept (each one a pass saved)")
 MODEL_LOAD_SECONDS = Gauge("shoal_model_load_seconds", "Time to load the model, in seconds")
 
 
@@ -37,14 +41,18 @@ def observe_iteration(num_prefill_tokens: int, num_decode_tokens: int, step_seco
     KV_CACHE_USAGE.set(1.0 - free_blocks / total_blocks)
 
 
-class PrefixCacheCounters:
-    """Carries the engine's running totals of prefix-cache queries and hits (tokens) into the
-    Prometheus counters."""
+class EngineTotals:
+    """Carries the engine's running totals (attributes that only grow) into Prometheus counters:
+    prefix-cache queries and hits, speculative drafts and those kept (tokens)."""
+
+    COUNTERS = {"prefix_cache_queries": PREFIX_CACHE_QUERIES, "prefix_cache_hits": PREFIX_CACHE_HITS,
+                "spec_draft_tokens": SPEC_DRAFT_TOKENS, "spec_accepted_tokens": SPEC_ACCEPTED_TOKENS}
 
     def __init__(self) -> None:
-        self.queries = self.hits = 0
+        self.seen = dict.fromkeys(self.COUNTERS, 0)
 
-    def observe(self, queries: int, hits: int) -> None:
-        PREFIX_CACHE_QUERIES.inc(queries - self.queries)
-        PREFIX_CACHE_HITS.inc(hits - self.hits)
-        self.queries, self.hits = queries, hits
+    def observe(self, engine) -> None:
+        for name, counter in self.COUNTERS.items():
+            value = getattr(engine, name)
+            counter.inc(value - self.seen[name])
+            self.seen[name] = value

@@ -57,7 +57,7 @@ class WorkerServer:
         self._plans: queue.Queue[IterationPlan] = queue.Queue()
         self._results: queue.Queue[IterationResult | None] = queue.Queue()
         self.incarnation = uuid.uuid4().hex[:12]
-        self._prefix_cache = metrics.PrefixCacheCounters()
+        self._totals = metrics.EngineTotals()
 
     def info(self) -> WorkerInfo:
         e = self.engine
@@ -197,7 +197,7 @@ class WorkerServer:
         metrics.observe_iteration(result.num_prefill_tokens, result.num_decode_tokens,
                                   result.step_seconds, self.engine.num_free_blocks,
                                   self.engine.num_total_blocks)
-        self._prefix_cache.observe(self.engine.prefix_cache_queries, self.engine.prefix_cache_hits)
+        self._totals.observe(self.engine)
         return IterationResult(self.worker_id, result.iteration, handed_back + result.outputs,
                                self.engine.num_free_blocks, result.num_prefill_tokens,
                                result.num_decode_tokens, result.step_seconds, result.num_requests,
