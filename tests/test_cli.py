@@ -49,6 +49,8 @@ def test_bad_arguments_fail_clearly(tmp_path):
         (["generate", "--attention-backend", "triton", "--block-size", "8", "hi"], "power of two"),
         (["bench", "engine", "--quick", "--temperature", "-1"], "temperature"),
         (["bench", "serve", "--top-p", "0"], "top_p"),
+        (["generate", "--speculative-config", "{", "hi"], "not JSON"),
+        (["up", "--speculative-config", '{"method": "eagle"}'], "ngram"),
     ]:
         r = _shoal(*args)
         assert r.returncode != 0
@@ -77,18 +79,22 @@ def test_bench_engine_quick_writes_its_json(tmp_path):
     assert "generated tokens/s" in r.stdout
 
 
-def test_bench_engine_quick_samples_when_asked(tmp_path):
+def test_bench_engine_quick_samples_and_speculates_when_asked(tmp_path):
     from shoal.workloads import W64_QUICK, make_requests
 
     out = tmp_path / "engine-sampled.json"
     r = _shoal("bench", "engine", "--quick", "--no-baseline", "--rounds", "1", "--temperature",
-               "0.8", "--top-p", "0.9", "--output", str(out), timeout=600)
+               "0.8", "--top-p", "0.9", "--speculative-config", '{"num_speculative_tokens": 3}',
+               "--output", str(out), timeout=600)
     assert r.returncode == 0, r.stderr
     figures = json.loads(out.read_text())
     assert figures["sampling"] == {"temperature": 0.8, "top_p": 0.9}
     expected = sum(q.max_tokens for q in make_requests(W64_QUICK, 49152, 0))
     assert figures["shoal"]["generated_tokens"] == expected  # every request ran to max_tokens
     assert "temperature 0.8, top_p 0.9" in r.stdout
+    assert figures["speculative"]["num_speculative_tokens"] == 3
+    chat = figures["chat_single_stream"]  # greedy chat answers copy their prompts: drafts kept
+    assert 0 < chat["accepted_tokens"] <= chat["draft_tokens"] and chat["generated_tokens"] > 0
 
 
 def test_bench_engine_quick_reports_the_cost_of_quantization(tmp_path):

@@ -261,6 +261,39 @@ def test_choices_go_to_the_worker_that_holds_their_prompt(fleet, tokenizer):
         assert twin.wait(60) == 0
 
 
+def test_a_speculating_worker_streams_the_tokens_of_plain_decoding(fleet, oracle, tokenizer):
+    """A worker with --speculative-config (the roomiest, so it gets the request) yields several
+    tokens per iteration; the scheduler and gateway pass them on in order, equal to plain
+    greedy decoding, streamed or not, and its metrics count the drafts kept."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = free_port()
+    spec = spawn_worker(fleet, "w-spec", 1 << 30, "--metrics-port", str(port),
+                        "--speculative-config", '{"num_speculative_tokens": 4, '
+                                                '"prompt_lookup_min": 1}')
+    try:
+        prompt = "apples, pears, plums, cherries, apples, pears, plums, cherries, apples, pears,"
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        expected = tokenizer.decode(oracle(ids, 40, ignore_eos=True), skip_special_tokens=True)
+        body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                "cache_salt": "test-spec"}
+        r = httpx.post(fleet["url"] + "/v1/completions", timeout=60, json=body).json()
+        assert r["choices"][0]["text"] == expected
+        assert r["usage"]["completion_tokens"] == 40
+        with httpx.stream("POST", fleet["url"] + "/v1/completions", timeout=60,
+                          json={**body, "stream": True}) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == expected
+        values = {m.name: m.value for f in text_string_to_metric_families(
+            httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text) for m in f.samples}
+        kept = values["shoal_spec_decode_num_accepted_tokens_total"]
+        assert 0 < kept <= values["shoal_spec_decode_num_draft_tokens_total"]
+    finally:
+        spec.send_signal(signal.SIGTERM)
+        assert spec.wait(60) == 0
+
+
 def test_completions_default_to_16_tokens_as_openai(fleet):
     r = httpx.post(fleet["url"] + "/v1/completions", timeout=60,
                    json={"prompt": "Once upon a time", "temperature": 0, "ignore_eos": True})
