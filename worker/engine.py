@@ -21,7 +21,7 @@ from shoal.messages import IterationPlan, IterationResult, NewRequest, TokenOutp
 from shoal.prefix_hash import block_hashes, lookup_hashes
 from shoal.sampling_params import SamplingParams
 from worker.attention import build_metadata
-from worker.config import EngineConfig, ModelConfig, default_device
+from worker.config import EngineConfig, ModelConfig, SpeculativeConfig, default_device
 from worker.kv_cache import KVCache, KVCacheFullError
 from worker.loader import load_model
 from worker.model import LlamaModel
@@ -394,7 +394,7 @@ class Engine:
                 self._propose_drafts(s, spec)
         return decodes, prefills
 
-    def _propose_drafts(self, s: Sequence, spec) -> None:
+    def _propose_drafts(self, s: Sequence, spec: SpeculativeConfig) -> None:
         """Set `s.draft_token_ids` (worker.speculative) and grow its table for them, as far as
         free blocks allow: drafts are an option, never a reason to preempt. None past
         `max_tokens` or the window (the tokens a pass yields are drafts kept plus one), and none
