@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def propose_ngram(token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:
@@ -25,17 +24,25 @@ def propose_ngram(token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: 
     guess. Returns [] when no suffix recurs or `num_tokens` < 1; fewer than `num_tokens` when the
     match lies near the end.
 
-    Cost: one vectorized comparison of every window per n tried (about 20 µs for 1,000 tokens).
+    Every earlier occurrence of the last token is a candidate; each is extended backwards one
+    token at a time while it matches, all candidates at once. Cost: 130 µs for 8,192 tokens
+    here, mostly turning the list into an array (a search of every window for each n took 1 ms,
+    a tenth of a single-stream decode step).
     """
     length = len(token_ids)
     if num_tokens < 1 or length < min_n + 1:
         return []
     ids = np.asarray(token_ids, dtype=np.int64)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        # Windows starting before the suffix itself: the last one ends at token length - 2.
-        windows = sliding_window_view(ids[: length - 1], n)
-        hits = np.flatnonzero((windows == ids[length - n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return ids[start: start + num_tokens].tolist()
-    return []
+    ends = np.flatnonzero(ids[: length - 1] == ids[-1])  # where earlier occurrences end
+    matched = np.ones(ends.size, dtype=np.int64)  # suffix tokens each one matches
+    alive = np.ones(ends.size, dtype=bool)
+    for k in range(1, min(max_n, length - 1)):
+        alive &= ends >= k
+        alive[alive] = ids[ends[alive] - k] == ids[length - 1 - k]
+        if not alive.any():
+            break
+        matched += alive
+    if not ends.size or (n := int(matched.max())) < min_n:
+        return []
+    end = int(ends[np.flatnonzero(matched >= n)[-1]])
+    return ids[end + 1: end + 1 + num_tokens].tolist()
