@@ -30,7 +30,7 @@ from worker import ops
 from worker.attention import AttentionMetadata, make_backend
 from worker.config import ModelConfig
 from worker.kv_cache import KVCache
-from worker.linear import LM_HEAD_DP_MAX_ROWS, Linear
+from worker.linear import LM_HEAD_DP_MAX_ROWS, Linear, quantize_int8
 from worker.loader import Weights
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,11 @@ class LlamaModel:
     """
 
     REFINE_TOP_K = 8  # logits recomputed in float32 per sampling row (see compute_logits)
+    # The most rows whose candidates the int8 LM head finds (unquantized greedy iterations).
+    # SmolLM2's head, 2-core Zen 4, ms for 1 / 2 / 4 / 5 / 6 / 8 / 12 rows: bfloat16 (dp_linear)
+    # 1.36 / 1.40 / 1.47 / 1.59 / 1.45 / 1.53 / 2.20, int8_gemv 0.36 / 0.49 / 0.89 / 1.25 / 1.29
+    # / 1.53 / 2.39. Six covers a single stream checking up to 5 speculative drafts.
+    LM_HEAD_INT8_MAX_ROWS = 6
 
     def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int,
                  quantization: str = "none", fast_paths: bool = True,
@@ -94,6 +99,16 @@ class LlamaModel:
         self.lm_head_proj = Linear(self.lm_head, "none" if quantization == "none" else "int8",
                                    pack=fast_paths, int8_gemv=True, kernels=self.kernels,
                                    dp_max_rows=LM_HEAD_DP_MAX_ROWS)
+        # Unquantized, greedy iterations of a few rows find their candidates with an int8 copy
+        # of the LM head through `shoal::int8_gemv` and recompute them exactly (compute_logits):
+        # half the bytes of bfloat16 (a quarter of float32's), 1.36 -> 0.36 ms a row,
+        # single-stream decode +6-10% in bfloat16 and +20% in float32 (2-core Zen 4,
+        # docs/benchmarks.md session 20). Logits anyone reads stay unquantized.
+        self.lm_head_int8: tuple[torch.Tensor, ...] | None = None
+        if (quantization == "none" and self.kernels and ops.int8_gemv_available()
+                and cfg.hidden_size % 64 == 0):
+            q, scale = quantize_int8(self.lm_head)
+            self.lm_head_int8 = (q, scale.float(), q.sum(dim=1, dtype=torch.int32))
 
         def linear(*names: str, quantize_activations: bool = False, swiglu: bool = False) -> Linear:
             return Linear(torch.cat([weights[n] for n in names]), quantization, pack=fast_paths,
@@ -201,14 +216,19 @@ class LlamaModel:
             `[num_sampling_rows]` int64 the argmax of each row (what greedy sampling picks).
         """
         h = F.rms_norm(hidden, (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps)
-        logits = self.lm_head_proj(h.to(self.dtype))
-        if self.dtype == torch.float32 and self.lm_head_proj.quantized is None:
+        candidates = (not full and self.lm_head_int8 is not None
+                      and h.shape[0] <= self.LM_HEAD_INT8_MAX_ROWS)
+        if candidates:
+            logits = torch.ops.shoal.int8_gemv(h.to(self.dtype), *self.lm_head_int8)
+        else:
+            logits = self.lm_head_proj(h.to(self.dtype))
+        if self.dtype == torch.float32 and self.lm_head_proj.quantized is None and not candidates:
             return (logits if full else None), ops.topk_rows(logits, 1, self.kernels)[1][:, 0]
         # A bfloat16 matmul rounds its output to bfloat16: at a logit of 25 the step is 0.125,
-        # enough to tie or swap the two best tokens (quantized weights err more). Recompute each row's
-        # best candidates exactly (float32 activations against the unquantized weights) so greedy
-        # picks the argmax float32 arithmetic would pick. Cost: a top-k and
-        # `rows * REFINE_TOP_K` dot products.
+        # enough to tie or swap the two best tokens (int8 weights and activations err more).
+        # Recompute each row's best candidates exactly (float32 activations against the
+        # unquantized weights) so greedy picks the argmax float32 arithmetic would pick. Cost: a
+        # top-k and `rows * REFINE_TOP_K` dot products.
         idx = ops.topk_rows(logits, self.REFINE_TOP_K, self.kernels)[1]  # [rows, k]
         exact = torch.einsum("rd,rkd->rk", h, self.lm_head[idx].float())
         argmax = idx.gather(1, exact.argmax(dim=1, keepdim=True))[:, 0]
