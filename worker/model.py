@@ -111,7 +111,7 @@ class LlamaModel:
         # docs/benchmarks.md session 20). Logits anyone reads stay unquantized.
         self.lm_head_int8: tuple[torch.Tensor, ...] | None = None
         if (quantization == "none" and self.kernels and ops.int8_gemv_available()
-                and cfg.hidden_size % 64 == 0):
+                and cfg.hidden_size % 64 == 0 and (tp is None or tp.rank == 0)):  # rank 0 samples
             q, scale = quantize_int8(self.lm_head)
             self.lm_head_int8 = (q, scale.float(), q.sum(dim=1, dtype=torch.int32))
 
