@@ -195,13 +195,14 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     return w
 
 
-def tiny_engine(num_blocks: int, block_size: int = 4, **kw) -> Engine:
-    """A float32 engine over the tiny random model (`tiny_config`, `random_weights`) with room
-    for exactly `num_blocks` K/V blocks of `block_size` tokens; `kw` are more EngineConfig
-    fields."""
+def tiny_engine(num_blocks: int, block_size: int = 4, cfg: ModelConfig | None = None,
+                **kw) -> Engine:
+    """A float32 engine over the tiny random model (`tiny_config()`, or `cfg`; `random_weights`)
+    with room for exactly `num_blocks` K/V blocks of `block_size` tokens; `kw` are more
+    EngineConfig fields."""
     from worker.kv_cache import bytes_per_block
 
-    cfg = tiny_config()
+    cfg = cfg or tiny_config()
     kv_bytes = num_blocks * bytes_per_block(cfg, block_size, torch.float32)
     return Engine(cfg, random_weights(cfg), EngineConfig(dtype=torch.float32, block_size=block_size,
                                                          kv_cache_bytes=kv_bytes, **kw))

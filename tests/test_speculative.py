@@ -7,14 +7,12 @@ import random
 from dataclasses import replace
 
 import pytest
-import torch
 
 from shoal.messages import IterationPlan, NewRequest
 from shoal.sampling_params import SamplingParams
-from tests.conftest import make_engine, random_weights, tiny_config
-from worker.config import EngineConfig, SpeculativeConfig
+from tests.conftest import make_engine, tiny_config, tiny_engine
+from worker.config import SpeculativeConfig
 from worker.engine import Engine
-from worker.kv_cache import bytes_per_block
 from worker.offline import generate, stream
 from worker.speculative import propose_ngram
 
@@ -145,10 +143,7 @@ def test_prefix_cache_blocks_filled_while_drafting_hold_the_kept_tokens(fp32_mod
 def _small_vocab_engine(num_blocks: int, spec: SpeculativeConfig = SPEC) -> Engine:
     """The tiny random model with 8 token ids: every token it samples occurred before, so a
     1-token suffix always proposes drafts. Blocks of 4 tokens."""
-    cfg = tiny_config(vocab_size=8)
-    return Engine(cfg, random_weights(cfg), EngineConfig(
-        dtype=torch.float32, block_size=4, speculative=spec,
-        kv_cache_bytes=num_blocks * bytes_per_block(cfg, 4, torch.float32)))
+    return tiny_engine(num_blocks, 4, tiny_config(vocab_size=8), speculative=spec)
 
 
 def test_no_drafts_in_iterations_of_many_decodes():

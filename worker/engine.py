@@ -357,7 +357,10 @@ class Engine:
         iteration and then finds those blocks in the prefix cache: the n choices of one prompt,
         a burst of requests behind one long system prompt, chunk by chunk behind a prompt longer
         than the budget. Sharing less, it goes ahead: a whole iteration of latency for a little
-        compute is a poor trade."""
+        compute is a poor trade.
+
+        With speculative decoding, an iteration of few decodes then gives each its drafts
+        (`_propose_drafts`), as far as free blocks allow."""
         bs = self.cfg.block_size
         decodes = [s for s in seqs if s.num_uncomputed_tokens == 1]
         budget = self.cfg.max_num_batched_tokens - len(decodes)

@@ -34,6 +34,8 @@ def propose_ngram(token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: 
         return []
     ids = np.asarray(token_ids, dtype=np.int64)
     ends = np.flatnonzero(ids[: length - 1] == ids[-1])  # where earlier occurrences end
+    if not ends.size:
+        return []
     matched = np.ones(ends.size, dtype=np.int64)  # suffix tokens each one matches
     alive = np.ones(ends.size, dtype=bool)
     for k in range(1, min(max_n, length - 1)):
@@ -42,7 +44,7 @@ def propose_ngram(token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: 
         if not alive.any():
             break
         matched += alive
-    if not ends.size or (n := int(matched.max())) < min_n:
+    if (n := int(matched.max())) < min_n:
         return []
     end = int(ends[np.flatnonzero(matched >= n)[-1]])
     return ids[end + 1: end + 1 + num_tokens].tolist()
