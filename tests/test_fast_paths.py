@@ -3,6 +3,8 @@ the plain torch reference path."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from shoal.messages import NewRequest
 from shoal.sampling_params import SamplingParams
 from tests.conftest import make_engine
 from worker import cpu_ops, ops
-from worker.loader import load_model
+from worker.loader import Q4_LEVELS, Q4_SCALE_MIN, load_model
 from worker.offline import generate
 from worker.perplexity import (
     REFERENCE_TEXT,
@@ -73,6 +75,26 @@ def test_greedy_iterations_without_full_logits_pick_the_same_tokens(bf16_model, 
     full = generate(make_engine(bf16_model, dtype=torch.bfloat16, keep_logits=True),
                     _requests(tokenizer, 8))
     assert {r: c.token_ids for r, c in lean.items()} == {r: c.token_ids for r, c in full.items()}
+
+
+@pytest.mark.skipif(not ops.dp_linear_available() or ops.amx_available(),
+                    reason="shoal::q4_linear serves where dp_linear does (AVX512_BF16, no AMX)")
+def test_decoding_from_the_files_4_bit_levels_changes_no_logprob(bf16_model, tokenizer):
+    """SmolLM2's projections ship as Q4_1: iterations of up to Q4_MAX_ROWS rows read the levels
+    (shoal::q4_linear) instead of the bfloat16 weights. The tokens and every logprob, to the bit,
+    equal an engine's without the levels, in iterations of 4 rows and of 1."""
+    cfg, weights = bf16_model
+    plain = (cfg, {n: w for n, w in weights.items() if not n.endswith((Q4_LEVELS, Q4_SCALE_MIN))})
+    runs = []
+    for model in (bf16_model, plain):
+        engine = make_engine(model, dtype=torch.bfloat16)
+        assert (engine.model.layers[0].gate_up.q4 is not None) == (model is bf16_model)
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
+        reqs = [dataclasses.replace(r, params=params) for r in _requests(tokenizer, 16)]
+        out = generate(engine, reqs)  # 4 decodes an iteration
+        out.update(generate(engine, [dataclasses.replace(reqs[0], request_id="alone")]))
+        runs.append({r: (c.token_ids, c.logprobs) for r, c in out.items()})
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.skipif(not ops.int8_gemv_available(), reason="shoal::int8_gemv is not built here")

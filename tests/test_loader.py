@@ -17,7 +17,14 @@ from tests.conftest import random_weights, tiny_config
 from worker import loader
 from worker.config import EngineConfig
 from worker.engine import Engine
-from worker.loader import UnsupportedModelError, load_model, read_model_config
+from worker.linear import q4_weight
+from worker.loader import (
+    Q4_LEVELS,
+    Q4_SCALE_MIN,
+    UnsupportedModelError,
+    load_model,
+    read_model_config,
+)
 
 Q = gguf.GGMLQuantizationType
 CFG = tiny_config(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -91,6 +98,34 @@ def test_gguf_quant_types_load_and_unpermute(tmp_path, qtype, tol):
     for name, t in weights.items():
         err = ((loaded[name] - t).norm() / t.norm()).item()
         assert err <= tol, f"{name}: relative error {err:.3g} for {qtype.name}"
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_gguf_4_bit_projections_come_with_levels_that_give_them_back(tmp_path, qtype):
+    """Q4_0 and Q4_1 projections carry their levels and scales, rows unpermuted with the weight's
+    (Q and K), which give back the loaded weight bit for bit in float32 and bfloat16 (Q4_0's
+    negative zeros included); the embedding, other types and sharded loads carry none."""
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, random_weights(CFG, seed=4), qtype)
+    for dtype in (torch.float32, torch.bfloat16):  # the second load reads the weights cache
+        _, loaded = load_model(path, dtype)
+        projections = [n for n in loaded if n.endswith("_proj.weight")]
+        assert len(projections) == 7 * CFG.num_layers
+        for name in projections:
+            prefix = name.removesuffix(".weight")
+            levels, scale_min = loaded[prefix + Q4_LEVELS], loaded[prefix + Q4_SCALE_MIN]
+            assert levels.dtype == torch.uint8 and levels.shape == loaded[name].shape
+            assert scale_min.dtype == torch.float16
+            assert levels.max() == 15 and levels.min() == 0
+            bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+            assert torch.equal(q4_weight(levels, scale_min, dtype).view(bits),
+                               loaded[name].view(bits)), name
+        assert sum(n.endswith(Q4_LEVELS) for n in loaded) == len(projections)
+    _, sharded = load_model(path, torch.float32, shard=lambda name, w: w)
+    assert not any(n.endswith((Q4_LEVELS, Q4_SCALE_MIN)) for n in sharded)
+    _write_gguf(path, random_weights(CFG, seed=4), Q.Q8_0)
+    _, loaded = load_model(path, torch.float32)
+    assert not any(n.endswith(Q4_LEVELS) for n in loaded)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q4_K])

@@ -17,6 +17,7 @@ from worker.linear import (
     INT4_Q8_MAX_ROWS,
     LANES_MAX_ROWS,
     LM_HEAD_DP_MAX_ROWS,
+    Q4_MAX_ROWS,
     QUANTIZED_MAX_ROWS,
     W8A8_MIN_ROWS,
     Linear,
@@ -24,8 +25,11 @@ from worker.linear import (
     pack_int4_lanes,
     pack_int4_quads,
     pack_lanes,
+    pack_q4_pairs,
+    q4_weight,
     quantize_int4,
     quantize_int8,
+    swiglu_interleave,
 )
 
 pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the C++ kernels did not build here")
@@ -290,6 +294,84 @@ def test_dp_linear_silu_is_swiglu_of_the_gate_up_projection(intermediate, in_fea
         assert rel(lin(x), exact) <= 5e-3, rows
     lin.pairs = torch.zeros_like(lin.pairs)  # the fused kernel's output now comes out zero
     assert (lin.silu_and_mul(torch.randn(300, in_features, generator=g).to(torch.bfloat16)) == 0).all()
+
+
+def _q4_levels(out_features: int, in_features: int, g: torch.Generator, q4_0: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random GGUF 4-bit levels `[out, in]` and float16 scales and minimums `[out, in / 32, 2]`:
+    Q4_1's (d > 0, any m) or Q4_0's (d of either sign, m = -8 d)."""
+    levels = torch.randint(0, 16, (out_features, in_features), generator=g, dtype=torch.uint8)
+    d = torch.rand(out_features, in_features // 32, generator=g) * 0.02 + 1e-4
+    if q4_0:
+        d = (d * torch.randn(d.shape, generator=g).sign()).half()
+        m = d * -8
+    else:
+        d, m = d.half(), (torch.randn(d.shape, generator=g) * 0.1).half()
+    return levels, torch.stack([d, m], dim=-1)
+
+
+@pytest.mark.skipif(not ops.dp_linear_available() or ops.amx_available(),
+                    reason="needs AVX512_BF16 without AMX")
+@pytest.mark.parametrize(("out_features", "in_features", "q4_0"),
+                         [(32, 64, False), (96, 576, True), (960, 128, False)])
+def test_q4_linear_gives_dp_linears_bits_from_4_bit_levels(out_features, in_features, q4_0):
+    """shoal::q4_linear rebuilds the bfloat16 weight from GGUF's 4-bit levels in registers and
+    must return dp_linear's result over that weight to the bit (so serving from the levels
+    changes no logit), plain and SwiGLU, for row counts that fill and leave partial tiles (32
+    and 96 channels: 2 and 6 blocks, outside the 4-block tiles of 1-2 rows); the values are
+    also checked against float32 math, so a layout error shared by both cannot pass."""
+    g = torch.Generator().manual_seed(70 + in_features)
+    levels, scale_min = _q4_levels(out_features, in_features, g, q4_0)
+    w = q4_weight(levels, scale_min, torch.bfloat16)
+    packed = pack_q4_pairs(levels, scale_min)
+    pairs = torch.ops.shoal.pack_weight_pairs(w)
+    silu_levels = pack_q4_pairs(swiglu_interleave(levels),
+                                swiglu_interleave(scale_min.flatten(1)).view(scale_min.shape))
+    silu_pairs = torch.ops.shoal.pack_weight_pairs(swiglu_interleave(w))
+    for rows in (1, 2, 3, 4, 5, 7, 9):
+        x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+        y = torch.ops.shoal.q4_linear(x, packed, False)
+        assert torch.equal(y.view(torch.int16), torch.ops.shoal.dp_linear(x, pairs).view(torch.int16))
+        assert rel(y, torch.nn.functional.linear(x.float(), w.float())) <= 5e-3
+        s = torch.ops.shoal.q4_linear(x, silu_levels, True)
+        assert s.shape == (rows, out_features // 2)
+        assert torch.equal(s.view(torch.int16),
+                           torch.ops.shoal.dp_linear_silu(x, silu_pairs).view(torch.int16))
+    with pytest.raises(RuntimeError, match="packed weight"):
+        torch.ops.shoal.q4_linear(torch.zeros(1, in_features + 32, dtype=torch.bfloat16), packed,
+                                  False)
+
+
+@pytest.mark.skipif(not ops.dp_linear_available() or ops.amx_available(),
+                    reason="needs AVX512_BF16 without AMX")
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_linear_serves_few_rows_from_levels_that_give_back_its_weight(swiglu, caplog):
+    """A Linear given the levels its bfloat16 weight came from serves iterations of up to
+    Q4_MAX_ROWS rows from them (with the pair weights zeroed, exactly those rows still come out
+    right); levels that do not give back the weight are refused, with a warning."""
+    g = torch.Generator().manual_seed(80 + swiglu)
+    levels, scale_min = _q4_levels(64, 96, g)
+    w = q4_weight(levels, scale_min, torch.bfloat16)
+    lin = Linear(w, kernels=True, swiglu=swiglu, q4=(levels, scale_min))
+    assert lin.q4 is not None and lin.q4_max_rows == Q4_MAX_ROWS
+    lin.pairs = torch.zeros_like(lin.pairs)
+    for rows in (1, Q4_MAX_ROWS, Q4_MAX_ROWS + 1):
+        x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+        exact = torch.nn.functional.linear(x.float(), w.float())
+        if swiglu:
+            gate, up = exact.chunk(2, dim=-1)
+            exact = torch.nn.functional.silu(gate) * up
+        y = lin.silu_and_mul(x) if swiglu else lin(x)
+        assert (rel(y, exact) <= 5e-3) == (rows <= Q4_MAX_ROWS), rows
+        if swiglu and rows <= Q4_MAX_ROWS:  # the projection itself, in [gate | up] order
+            assert rel(lin(x), torch.nn.functional.linear(x.float(), w.float())) <= 5e-3
+    wrong = levels.clone()
+    wrong[5, 7] ^= 1
+    with caplog.at_level("WARNING", logger="worker.linear"):
+        refused = Linear(w, kernels=True, swiglu=swiglu, q4=(wrong, scale_min))
+    assert refused.q4 is None and refused.q4_max_rows == 0
+    assert "do not give back its weight" in caplog.text
+    assert Linear(w, "int8", kernels=True, q4=(levels, scale_min)).q4 is None  # unquantized only
 
 
 def test_int8_linear_is_used_for_few_rows_only():

@@ -151,6 +151,7 @@ for the number of rows an iteration brings.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import torch
@@ -159,6 +160,8 @@ import torch.nn.functional as F
 from worker import ops
 from worker.config import QUANTIZATIONS
 from worker.hugepages import on_huge_pages
+
+log = logging.getLogger(__name__)
 
 # The most rows an iteration may have for the quantized kernel to beat bfloat16 (table above).
 QUANTIZED_MAX_ROWS = {"int8": 2, "int4": 4, "w8a8": 2}
@@ -173,6 +176,10 @@ INT4_Q8_MAX_ROWS = sys.maxsize
 AMX_MAX_ROWS = 1024  # shoal::amx_linear beats oneDNN up to here (table above; 2,048 rows: not)
 # shoal::dp_linear serves bfloat16 iterations of every size where it runs (see above).
 DP_MAX_ROWS = sys.maxsize
+# shoal::q4_linear (GGUF's 4-bit levels, dp_linear's bits) beats dp_linear up to here: all 120
+# SmolLM2 projections, 2-core Zen 4, ms for 1 / 2 / 4 / 8 rows: dp_linear 7.9-9.7 / 7.7-9.6 /
+# 8.1-10.2 / 9.3-11.6, q4_linear 4.3-5.0 / 4.7-5.3 / 5.9-7.2 / 9.9-12.0.
+Q4_MAX_ROWS = 4
 # SmolLM2's LM head ([49152, 576]) through dp_linear against oneDNN, ms (2-core Zen 5, A/B
 # interleaved): 8 rows 0.92 / 1.26, 64 rows 4.67 / 4.85, 128 rows 10.25 / 9.30, 256 rows 19.6 /
 # 17.0 (why was not investigated), so it stops earlier. Session 8, another Zen 5 host: 16 rows
@@ -341,6 +348,41 @@ def pack_int8_quads(q: torch.Tensor, scale: torch.Tensor, swiglu: bool
     return (on_huge_pages(packed), scale.contiguous(), q.sum(dim=1, dtype=torch.int32))
 
 
+Q4_GROUP_BYTES = 64 + 16 * 16  # a group of 32 inputs for 16 channels in pack_q4_pairs' layout
+
+
+def q4_weight(levels: torch.Tensor, scale_min: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight GGUF's 4-bit levels stand for, as the loader builds it: `levels` `[N, K]` uint8
+    (0-15), `scale_min` `[N, K / 32, 2]` float16 (each group's d and m) -> `[N, K]` in `dtype`,
+    `float32(d) * q + float32(m)` (gguf's dequantization) rounded once."""
+    n, k = levels.shape
+    d, m = scale_min.float().unbind(-1)
+    w = levels.view(n, k // 32, 32).float() * d[..., None] + m[..., None]
+    return w.view(n, k).to(dtype)
+
+
+def pack_q4_pairs(levels: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
+    """GGUF 4-bit levels in `shoal::q4_linear`'s layout (worker/csrc/cpu_ops.cpp).
+
+    Args:
+        levels: `[N, K]` uint8, 0-15 (N a multiple of 16, K of 32).
+        scale_min: `[N, K / 32, 2]` float16, each group's scale d and minimum m (Q4_0: m = -8 d).
+
+    Returns:
+        `[N / 16, K / 32, Q4_GROUP_BYTES]` uint8: per block of 16 channels and group of 32
+        inputs, d[16] and m[16], then 16 steps of 16 bytes, byte j of step s holding channel
+        j // 2's level at input 2 s + j % 2 (low nibble) and channel 8 + j // 2's (high).
+    """
+    n, k = levels.shape
+    blocks, groups = n // 16, k // 32
+    words = levels.view(blocks, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)  # [nb, g, s, ch, pair]
+    words = words.reshape(blocks, groups, 16, 32)  # word 2 ch + e: dp_linear's order
+    steps = words[..., :16] | (words[..., 16:] << 4)
+    scales = scale_min.view(blocks, 16, groups, 2).permute(0, 2, 3, 1).contiguous()
+    return torch.cat([scales.view(torch.uint8).reshape(blocks, groups, 64),
+                      steps.reshape(blocks, groups, 256)], dim=2).contiguous()
+
+
 def _mkldnn_available(dtype: torch.dtype) -> bool:
     """Whether oneDNN's prepacked linear serves `dtype` here: in this torch build and, for
     bfloat16, on this CPU (its reorder refuses CPUs without AVX-512 BW/VL/DQ or AVX-NE-CONVERT,
@@ -393,6 +435,11 @@ class Linear:
             multiple of 16) used through `silu_and_mul`; where dp_linear serves, its packed
             copy interleaves gate and up blocks for `shoal::dp_linear_silu` (calling the
             projection itself still returns `[gate | up]`).
+        q4: the GGUF 4-bit levels `[out, in]` uint8 and scales `[out, in / 32, 2]` float16 the
+            weight was dequantized from (worker.loader), or None. Unquantized, where dp_linear
+            serves and the levels give back the weight bit for bit (checked here), iterations
+            of up to Q4_MAX_ROWS rows read them through `shoal::q4_linear`: dp_linear's result
+            from a third of the bytes.
 
     Raises:
         ValueError: an unknown quantization, or int4 on a shape it cannot take.
@@ -403,7 +450,8 @@ class Linear:
     def __init__(self, weight: torch.Tensor, quantization: str = "none", pack: bool = True,
                  quantize_activations: bool = False, int8_gemv: bool = False,
                  kernels: bool = False, dp_max_rows: int = DP_MAX_ROWS,
-                 swiglu: bool = False) -> None:
+                 swiglu: bool = False,
+                 q4: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         self.out_features, self.in_features = weight.shape
@@ -477,6 +525,12 @@ class Linear:
             if self.pairs_max_rows:
                 self.pairs = on_huge_pages(torch.ops.shoal.pack_weight_pairs(
                     swiglu_interleave(weight) if self.swiglu_pairs else weight))
+        self.q4: torch.Tensor | None = None  # shoal::q4_linear's packed levels
+        self.q4_max_rows = 0
+        if (q4 is not None and quantization == "none" and self.pairs is not None
+                and not self.amx and self.pairs_max_rows >= Q4_MAX_ROWS):
+            self.q4 = self._pack_q4(weight, *q4)
+            self.q4_max_rows = Q4_MAX_ROWS if self.q4 is not None else 0
         # `[in, out]` int8 (a transposed view: what torch._int_mm takes) and `[out]` float32
         # scales. Not where AMX tiles serve bfloat16: they beat `torch._int_mm` at every size
         # measured on an AMX host (`[2048, 576] x [576, 3072]`: 3.2-4.0 ms against oneDNN's
@@ -504,8 +558,26 @@ class Linear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_ROWS_HINT)
             self.weight = None
 
+    def _pack_q4(self, weight: torch.Tensor, levels: torch.Tensor, scale_min: torch.Tensor
+                 ) -> torch.Tensor | None:
+        """The levels in q4_linear's layout, or None (logged) where they do not give back the
+        weight to the bit: its result would then differ from dp_linear's."""
+        if (levels.shape != weight.shape or not torch.equal(
+                q4_weight(levels, scale_min, weight.dtype).view(torch.int16),
+                weight.view(torch.int16))):
+            log.warning("a projection's 4-bit levels do not give back its weight; it is served "
+                        "from the %s weight alone", str(weight.dtype).removeprefix("torch."))
+            return None
+        if self.swiglu_pairs:  # gate and up blocks interleaved, as in self.pairs
+            levels = swiglu_interleave(levels)
+            scale_min = swiglu_interleave(scale_min.flatten(1)).view(scale_min.shape)
+        return pack_q4_pairs(levels, scale_min)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`x` `[rows, in_features]` -> `[rows, out_features]`, both in the serving dtype."""
+        if x.shape[0] <= self.q4_max_rows:
+            y = torch.ops.shoal.q4_linear(x, self.q4, False)
+            return swiglu_deinterleave(y) if self.swiglu_pairs else y
         if x.shape[0] <= self.max_quantized_rows:
             if self.vnni:
                 return torch.ops.shoal.int8_gemv(x, *self.quantized)
@@ -536,6 +608,8 @@ class Linear:
         rows = x.shape[0]
         if self.uses_w8a8(rows):
             return self._w8a8(x, silu_and_mul=True)
+        if self.swiglu_pairs and rows <= self.q4_max_rows:
+            return torch.ops.shoal.q4_linear(x, self.q4, True)
         if self.swiglu_pairs and self.max_quantized_rows < rows <= self.pairs_max_rows:
             return torch.ops.shoal.dp_linear_silu(x, self.pairs)
         return ops.silu_and_mul(self(x), self.kernels)

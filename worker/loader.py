@@ -53,6 +53,12 @@ _GGUF_GLOBAL_NAMES = {
 
 Shard = Callable[[str, torch.Tensor], torch.Tensor]
 
+# Beside a projection `<prefix>.weight` stored in GGUF as Q4_0 or Q4_1: its 4-bit levels
+# `[out, in]` uint8 and each group of 32 inputs' scale and minimum `[out, in / 32, 2]` float16,
+# from which worker.linear serves few-row iterations bit for bit (`shoal::q4_linear`).
+Q4_LEVELS, Q4_SCALE_MIN = ".q4_levels", ".q4_scale_min"
+_Q4_SUFFIXES = (Q4_LEVELS, Q4_SCALE_MIN)
+
 
 def read_model_config(path: Path) -> ModelConfig:
     """A model's configuration alone (errors as in `load_model`). A GGUF file's comes from its
@@ -73,6 +79,7 @@ def load_model(path: Path, dtype: torch.dtype, shard: Shard | None = None
         shard: `(name, full float32 tensor) -> the part to keep`, applied to each tensor as it is
             read, so that only one full tensor is in memory at a time (tensor parallelism:
             `worker.parallel.TensorParallel.shard`). The configuration stays the full model's.
+            Sharded loads carry no 4-bit levels (below).
 
     A GGUF file is read once: its configuration and its tensors, dequantized to float32 in Hugging
     Face names and layout, are written to a safetensors file in shoal's cache (`shoal.model_files.
@@ -80,6 +87,11 @@ def load_model(path: Path, dtype: torch.dtype, shard: Shard | None = None
     reader parses every metadata field one numpy view at a time, SmolLM2's 98,000 vocabulary and
     merge strings included, and dequantizing takes as long again: 6.7 s a load on a 2-core AMD EPYC
     against about 0.5 s from the cache. The first load holds the whole float32 model at once.
+
+    A GGUF projection stored as Q4_0 or Q4_1 also comes with its levels and scales,
+    `<prefix>.q4_levels` `[out, in]` uint8 and `<prefix>.q4_scale_min` `[out, in / 32, 2]` float16
+    (d and m of each group of 32 inputs; Q4_0's m is -8 d), rows in the weight's order: the weight
+    is `float32(d) * q + float32(m)` rounded to `dtype`.
 
     Returns:
         The model configuration and its weights keyed by Hugging Face names.
@@ -101,10 +113,33 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
 
     llama.cpp's converter interleaves each head's two rotary halves so its RoPE can rotate
     adjacent pairs; transformers' RoPE rotates the first half against the second. Shape
-    [out, in] in and out.
+    [out, ...] in and out (the rows move; a weight's levels and scales move with it).
     """
-    out, inp = w.shape
-    return w.reshape(n_head, out // n_head // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
+    shape = w.shape
+    out = shape[0]
+    return w.reshape(n_head, out // n_head // 2, 2, -1).swapaxes(1, 2).reshape(shape)
+
+
+def _q4_levels(t) -> tuple[np.ndarray, np.ndarray] | None:
+    """A Q4_0 or Q4_1 GGUF matrix's levels `[out, in]` uint8 and scales and minimums
+    `[out, in / 32, 2]` float16 (see `load_model`), or None for other types. A block is d
+    (float16), m (Q4_1 only), then 16 bytes whose low nibbles are inputs 0-15 and high nibbles
+    16-31 (ggml's layout, as gguf's `dequantize` reads it)."""
+    import gguf
+
+    kind = t.tensor_type
+    if kind not in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1):
+        return None
+    inp, out = (int(d) for d in t.shape)
+    block_bytes = 20 if kind == gguf.GGMLQuantizationType.Q4_1 else 18
+    blocks = np.asarray(t.data).reshape(out, inp // 32, block_bytes)
+    d = blocks[..., 0:2].copy().view(np.float16)
+    if kind == gguf.GGMLQuantizationType.Q4_1:
+        m, qs = blocks[..., 2:4].copy().view(np.float16), blocks[..., 4:]
+    else:  # d * (q - 8) = d * q + (-8 d), and -8 d is exact in float16
+        m, qs = (d * np.float16(-8)).astype(np.float16), blocks[..., 2:]
+    levels = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(out, inp)
+    return levels, np.concatenate([d, m], axis=-1)
 
 
 def _gguf_reader(path: Path):
@@ -150,7 +185,7 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
 
 # Bump when what the weights cache holds changes (names, layout, configuration fields): older
 # entries then miss.
-_WEIGHTS_CACHE_FORMAT = 1
+_WEIGHTS_CACHE_FORMAT = 2  # 2: Q4_0 / Q4_1 levels and scales
 _CONFIG_KEY = "shoal.model_config"
 
 
@@ -186,14 +221,21 @@ def _load_gguf(path: Path, dtype: torch.dtype, shard: Shard | None) -> tuple[Mod
 
     cfg, cached = _gguf_cache(path)
     weights: Weights = {}
+
+    def add(name: str, w: torch.Tensor) -> None:
+        if name.endswith(_Q4_SUFFIXES):
+            if shard is None:  # levels of the whole tensor only
+                weights[name] = w
+        else:
+            weights[name] = (shard(name, w) if shard else w).to(dtype)
+
     if cached is None:
         for name, w in _read_gguf(path)[1].items():
-            weights[name] = (shard(name, w) if shard else w).to(dtype)
+            add(name, w)
         return cfg, weights
     with safe_open(str(cached), framework="pt") as f:  # one full tensor in memory at a time
         for name in f.keys():
-            w = f.get_tensor(name)
-            weights[name] = (shard(name, w) if shard else w).to(dtype)
+            add(name, f.get_tensor(name))
     _check_complete(cfg, weights, path)
     return cfg, weights
 
@@ -218,12 +260,23 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, Weights]:
         name = _hf_name(t.name)
         if name is None:
             continue  # e.g. rope_freqs, which plain Llama does not use
-        if name.endswith("q_proj.weight"):
-            arr = _unpermute_rope(arr, cfg.num_heads)
-        elif name.endswith("k_proj.weight"):
-            arr = _unpermute_rope(arr, cfg.num_kv_heads)
-        # The arrays are read-only views of a memory map: copy before handing them to torch.
-        weights[name] = torch.from_numpy(np.array(arr, copy=True))
+        q4 = _q4_levels(t) if name.endswith("_proj.weight") else None
+        if q4 is not None:
+            # Q4_0's d (q - 8) is -0.0 at q = 8 where d < 0; as d q + m (the levels' kernel) it
+            # is +0.0. Adding zero makes the weight's zeros positive, so the two agree bit for
+            # bit (worker.linear checks) and nothing else changes.
+            arr = arr + np.float32(0)
+        tensors = {name: arr}
+        if q4 is not None:
+            prefix = name.removesuffix(".weight")
+            tensors[prefix + Q4_LEVELS], tensors[prefix + Q4_SCALE_MIN] = q4
+        for key, a in tensors.items():
+            if name.endswith("q_proj.weight"):
+                a = _unpermute_rope(a, cfg.num_heads)
+            elif name.endswith("k_proj.weight"):
+                a = _unpermute_rope(a, cfg.num_kv_heads)
+            # The arrays are read-only views of a memory map: copy before handing them to torch.
+            weights[key] = torch.from_numpy(np.array(a, copy=True))
     _check_complete(cfg, weights, path)
     return cfg, weights
 

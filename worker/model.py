@@ -31,7 +31,7 @@ from worker.attention import AttentionMetadata, make_backend
 from worker.config import ModelConfig
 from worker.kv_cache import KVCache
 from worker.linear import LM_HEAD_DP_MAX_ROWS, Linear, quantize_int8
-from worker.loader import Weights
+from worker.loader import Q4_LEVELS, Q4_SCALE_MIN, Weights
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +117,15 @@ class LlamaModel:
             self.lm_head_int8 = (q, scale.float(), q.sum(dim=1, dtype=torch.int32))
 
         def linear(*names: str, quantize_activations: bool = False, swiglu: bool = False) -> Linear:
+            # GGUF's 4-bit levels where every part has them (worker.loader, worker.linear).
+            prefixes = [n.removesuffix(".weight") for n in names]
+            q4 = None
+            if all(p + Q4_LEVELS in weights for p in prefixes):
+                q4 = tuple(torch.cat([weights[p + suffix] for p in prefixes])
+                           for suffix in (Q4_LEVELS, Q4_SCALE_MIN))
             return Linear(torch.cat([weights[n] for n in names]), quantization, pack=fast_paths,
                           quantize_activations=quantize_activations, kernels=self.kernels,
-                          swiglu=swiglu)
+                          swiglu=swiglu, q4=q4)
 
         self.layers = []
         for i in range(cfg.num_layers):

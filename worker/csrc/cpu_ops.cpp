@@ -2046,6 +2046,22 @@ void dp_linear_rows(const char* x, const char* w, int64_t row_bytes, int64_t r0,
   dp_linear_tail<Op, MR - 1, NR>(r1 - r, x, w, row_bytes, r, nb, pf, slice(t), store);
 }
 
+// Items [0, items) handed out to `threads` threads as they come free: `fn(item, next)` runs each,
+// `next` being the item the same thread takes after it (items or more: none), claimed first so
+// that `fn` can prefetch its weights (dp_linear_run below says why items, not halves).
+template <class Fn>
+void run_items(int64_t items, int64_t threads, Fn&& fn) {
+  std::atomic<int64_t> claimed{0};
+#pragma omp parallel num_threads(threads)
+  {
+    for (int64_t item = claimed.fetch_add(1); item < items;) {
+      const int64_t next = claimed.fetch_add(1);
+      fn(item, next);
+      item = next;
+    }
+  }
+}
+
 // Bytes of x per pass over the weights: those rows stay in L2 (1 MB on Zen 5) while the
 // weights pass; more rows are taken in several passes, each streaming the weights again.
 constexpr int64_t kDpRowBytes = 256 << 10;
@@ -2092,15 +2108,9 @@ void dp_linear_run(const char* x, const char* w, int64_t m, int64_t row_bytes, i
       if (b1 - nb == 1) dp_linear_rows<Op, MR, 1>(x, w, row_bytes, r0, r1, nb, nullptr, store);
     }
   };
-  std::atomic<int64_t> claimed{0};
-#pragma omp parallel num_threads(threads)
-  {
-    for (int64_t item = claimed.fetch_add(1); item < items;) {
-      const int64_t next = claimed.fetch_add(1);
-      run(item, next < items ? w + first_block(next) * block_bytes : nullptr);
-      item = next;
-    }
-  }
+  run_items(items, threads, [&](int64_t item, int64_t next) {
+    run(item, next < items ? w + first_block(next) * block_bytes : nullptr);
+  });
 }
 
 inline const char* bytes(const Tensor& t) { return static_cast<const char*>(t.data_ptr()); }
@@ -2126,6 +2136,148 @@ Tensor dp_linear_silu(const Tensor& x_in, const Tensor& packed) {
   Tensor y = at::empty({m, n / 2}, x.options());
   dp_linear_run<Bf16Pairs, kDpSiluRows, kDpSiluBlocks>(bytes(x), bytes(packed), m, 2 * k, n / 16,
                                                        DpSiluStore{ptr<uint16_t>(y), n / 2});
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// bfloat16 projections of a few rows from GGUF's 4-bit weights (Q4_0, Q4_1), with dp_linear's
+// result to the bit. The file holds levels q (0-15) in groups of 32 input channels, each group
+// with a scale d and a minimum m (float16; Q4_0: m = -8 d), and the engine's bfloat16 weight is
+// bfloat16(float32(d) q + float32(m)): gguf's dequantization, then torch's rounding to nearest
+// even. q4_linear rebuilds each 64-byte vector of pack_weight_pairs' layout from the levels in
+// registers (d q is exact in float32, so one FMA rounds as the multiply-then-add did, and
+// vcvtne2ps2bf16 rounds to nearest even as torch does) and runs dp_linear's vdpbf16ps steps in
+// dp_linear's order: the same bits from 5 bits a weight instead of 16, for iterations bound by
+// reading the weights (a decode step streams SmolLM2's 213 MB of projections, 67 MB this way).
+//
+// Layout (worker/linear.py `pack_q4_pairs`): for each block of 16 output channels, K / 32
+// groups of kQ4GroupBytes: d[16] and m[16] float16, then 16 steps of 16 bytes. Step s's byte j
+// holds in its low nibble the level of channel j / 2 at input 32 g + 2 s + j % 2 and in its high
+// nibble that of channel 8 + j / 2: widened to 32-bit lanes and split, the two halves are the
+// low and the high 16 words vcvtne2ps2bf16 writes, which then lie in dp_linear's pair order.
+// ---------------------------------------------------------------------------------------------
+constexpr int64_t kQ4GroupBytes = 64 + 16 * 16;
+// Tiles (rows x 16-channel blocks). A block's steps are a chain of vdpbf16ps (dp_linear's order,
+// which must be kept), so rows of one take 4 blocks at a time; SmolLM2's 120 projections, 1 row,
+// 2-core Zen 4: 2 blocks 6.0 ms, 4 to 12 blocks 4.3-4.7 (the decoding bounds it).
+constexpr int64_t kQ4FewRows = 2, kQ4FewBlocks = 4;
+constexpr int64_t kQ4Rows = 4, kQ4Blocks = 2;
+
+// A group's d and m in the lanes of its steps' two halves: lanes 2c and 2c + 1 hold channel c
+// (low half) or 8 + c (high half).
+struct Q4Scales {
+  __m512 d_lo, m_lo, d_hi, m_hi;
+};
+
+inline Q4Scales q4_scales(const char* group) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group)));
+  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 32)));
+  const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+  return {_mm512_permutexvar_ps(lo, d), _mm512_permutexvar_ps(lo, m),
+          _mm512_permutexvar_ps(hi, d), _mm512_permutexvar_ps(hi, m)};
+}
+
+// The 32 bfloat16 weights of one step (16 channels x a pair of inputs) from its 16 bytes.
+inline __m512bh q4_step(const char* step, const Q4Scales& g) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(step)));
+  const __m512i q_lo = _mm512_and_si512(v, _mm512_set1_epi32(15));
+  const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q_lo), g.d_lo, g.m_lo);
+  const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), g.d_hi, g.m_hi);
+  return _mm512_cvtne2ps_pbh(hi, lo);  // words 0-15 from lo, 16-31 from hi
+}
+
+// MR rows from r of x (`row_bytes` = 2 K bytes each) against blocks [nb, nb + NR).
+template <int64_t MR, int64_t NR, class Store>
+inline void q4_linear_tile(const char* x, const char* w, int64_t row_bytes, int64_t r, int64_t nb,
+                           const Store& store) {
+  const int64_t groups = row_bytes / 64, block_bytes = groups * kQ4GroupBytes;
+  __m512 acc[MR][NR];
+  for (int64_t i = 0; i < MR; ++i)
+    for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const char* xr = x + r * row_bytes;
+  for (int64_t g = 0; g < groups; ++g) {
+    const char* wg[NR];
+    Q4Scales sc[NR];
+    for (int64_t j = 0; j < NR; ++j) {
+      wg[j] = w + (nb + j) * block_bytes + g * kQ4GroupBytes;
+      sc[j] = q4_scales(wg[j]);
+    }
+    for (int64_t s = 0; s < 16; ++s) {
+      __m512bh wv[NR];
+      for (int64_t j = 0; j < NR; ++j) wv[j] = q4_step(wg[j] + 64 + 16 * s, sc[j]);
+      const int64_t p = 16 * g + s;  // the pair of inputs, as in dp_linear_tile
+      for (int64_t i = 0; i < MR; ++i) {
+        const __m512bh xg = broadcast_pair(reinterpret_cast<const uint16_t*>(xr + i * row_bytes + 4 * p));
+        for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xg, wv[j]);
+      }
+    }
+  }
+  store(acc, r, nb);
+}
+
+// The last `rem` (< MR) rows: a tile of exactly that many rows.
+template <int64_t MR, int64_t NR, class Store>
+inline void q4_linear_tail(int64_t rem, const char* x, const char* w, int64_t row_bytes, int64_t r,
+                           int64_t nb, const Store& store) {
+  if constexpr (MR > 0) {
+    if (rem == MR) q4_linear_tile<MR, NR>(x, w, row_bytes, r, nb, store);
+    else q4_linear_tail<MR - 1, NR>(rem, x, w, row_bytes, r, nb, store);
+  }
+}
+
+// All m rows of x against blocks [nb, nb + NR): MR rows at a time while the blocks' weights are in
+// L1 (the rows are few: worker/linear.py Q4_MAX_ROWS).
+template <int64_t MR, int64_t NR, class Store>
+inline void q4_linear_rows(const char* x, const char* w, int64_t m, int64_t row_bytes, int64_t nb,
+                           const Store& store) {
+  int64_t r = 0;
+  for (; r + MR <= m; r += MR) q4_linear_tile<MR, NR>(x, w, row_bytes, r, nb, store);
+  q4_linear_tail<MR - 1, NR>(m - r, x, w, row_bytes, r, nb, store);
+}
+
+// y = x W^T over `blocks` (even) 16-channel blocks, in tiles of NR blocks (the last blocks in
+// tiles of 2 where NR does not divide them), handed out to the threads in items as
+// dp_linear_run does.
+template <int64_t MR, int64_t NR, class Store>
+void q4_linear_run(const char* x, const char* w, int64_t m, int64_t row_bytes, int64_t blocks,
+                   const Store& store) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t tiles = blocks / NR, rest = (blocks - tiles * NR) / 2;
+  const int64_t per_item = std::max<int64_t>(1, tiles / (threads * kDpItemsPerThread));
+  const int64_t items = (tiles + per_item - 1) / per_item;
+  run_items(items + rest, threads, [&](int64_t item, int64_t) {
+    if (item >= items) {  // a tile of the last 2 blocks
+      q4_linear_rows<MR, 2>(x, w, m, row_bytes, tiles * NR + 2 * (item - items), store);
+      return;
+    }
+    for (int64_t t = item * per_item, end = std::min(tiles, t + per_item); t < end; ++t)
+      q4_linear_rows<MR, NR>(x, w, m, row_bytes, t * NR, store);
+  });
+}
+
+// y = x W^T for x `[M, K]` bfloat16 against `packed` `[N / 16, K / 32, kQ4GroupBytes]` uint8
+// (pack_q4_pairs); returns `[M, N]` bfloat16, or with `silu_and_mul` (gate and up blocks
+// interleaved, as for dp_linear_silu) `[M, N / 2]` silu(gate) * up: what dp_linear and
+// dp_linear_silu return for the bfloat16 weight the levels stand for, bit for bit.
+Tensor q4_linear(const Tensor& x_in, const Tensor& packed, bool silu_and_mul) {
+  TORCH_CHECK(x_in.device().is_cpu(), "x must be on the CPU");
+  const Tensor x = x_in.contiguous();
+  check_cpu_contiguous(packed, "packed weight");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "x must be bfloat16 [M, K]");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 &&
+              packed.size(2) == kQ4GroupBytes && packed.size(1) * 32 == x.size(1),
+              "packed weight [N / 16, K / 32, ", kQ4GroupBytes, "] uint8 for K = ", x.size(1));
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * 16;
+  TORCH_CHECK(n % 32 == 0, "N must be a multiple of 32");
+  Tensor y = at::empty({m, silu_and_mul ? n / 2 : n}, x.options());
+  auto run = [&](const auto& store) {
+    if (m <= kQ4FewRows)
+      q4_linear_run<kQ4FewRows, kQ4FewBlocks>(bytes(x), bytes(packed), m, 2 * k, n / 16, store);
+    else q4_linear_run<kQ4Rows, kQ4Blocks>(bytes(x), bytes(packed), m, 2 * k, n / 16, store);
+  };
+  if (silu_and_mul) run(DpSiluStore{ptr<uint16_t>(y), n / 2});
+  else run(DpStore{ptr<uint16_t>(y), n});
   return y;
 }
 
@@ -2202,6 +2354,7 @@ TORCH_LIBRARY(shoal, m) {
   m.def("pack_weight_pairs(Tensor weight) -> Tensor");
   m.def("dp_linear(Tensor x, Tensor packed) -> Tensor");
   m.def("dp_linear_silu(Tensor x, Tensor packed) -> Tensor");
+  m.def("q4_linear(Tensor x, Tensor packed, bool silu_and_mul) -> Tensor");
 #if defined(__AVX512VNNI__)
   m.def("vnni_linear(Tensor x, Tensor row_scale, Tensor packed, Tensor col_scale, Tensor col_sum, "
         "bool silu_and_mul) -> Tensor");
@@ -2236,6 +2389,7 @@ TORCH_LIBRARY_IMPL(shoal, CPU, m) {
   m.impl("pack_weight_pairs", &pack_weight_pairs);
   m.impl("dp_linear", &dp_linear);
   m.impl("dp_linear_silu", &dp_linear_silu);
+  m.impl("q4_linear", &q4_linear);
 #if defined(__AVX512VNNI__)
   m.impl("vnni_linear", &vnni_linear);
 #endif
