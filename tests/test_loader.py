@@ -103,8 +103,9 @@ def test_gguf_quant_types_load_and_unpermute(tmp_path, qtype, tol):
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
 def test_gguf_4_bit_projections_come_with_levels_that_give_them_back(tmp_path, qtype):
     """Q4_0 and Q4_1 projections carry their levels and scales, rows unpermuted with the weight's
-    (Q and K), which give back the loaded weight bit for bit in float32 and bfloat16 (Q4_0's
-    negative zeros included); the embedding, other types and sharded loads carry none."""
+    (Q and K) and sharded with it (a tensor-parallel rank's columns), which give back the loaded
+    weight bit for bit in float32 and bfloat16 (Q4_0's negative zeros included); the embedding
+    and other types carry none."""
     path = tmp_path / "tiny.gguf"
     _write_gguf(path, random_weights(CFG, seed=4), qtype)
     for dtype in (torch.float32, torch.bfloat16):  # the second load reads the weights cache
@@ -121,8 +122,14 @@ def test_gguf_4_bit_projections_come_with_levels_that_give_them_back(tmp_path, q
             assert torch.equal(q4_weight(levels, scale_min, dtype).view(bits),
                                loaded[name].view(bits)), name
         assert sum(n.endswith(Q4_LEVELS) for n in loaded) == len(projections)
-    _, sharded = load_model(path, torch.float32, shard=lambda name, w: w)
-    assert not any(n.endswith((Q4_LEVELS, Q4_SCALE_MIN)) for n in sharded)
+    # Rank 1 of 2, as worker.parallel splits: the second half of every projection's inputs.
+    _, sharded = load_model(path, torch.float32, shard=lambda name, w: (
+        w.chunk(2, dim=1)[1].contiguous() if name.endswith("_proj.weight") else w))
+    for name in (n for n in sharded if n.endswith("_proj.weight")):
+        prefix = name.removesuffix(".weight")
+        assert sharded[name].shape[1] == CFG.hidden_size // 2 or "down" in name
+        assert torch.equal(q4_weight(sharded[prefix + Q4_LEVELS], sharded[prefix + Q4_SCALE_MIN],
+                                     torch.float32), sharded[name]), name
     _write_gguf(path, random_weights(CFG, seed=4), Q.Q8_0)
     _, loaded = load_model(path, torch.float32)
     assert not any(n.endswith(Q4_LEVELS) for n in loaded)

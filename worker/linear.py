@@ -86,6 +86,21 @@ for the number of rows an iteration brings.
   W64's prefill iterations 2.14-2.30 s with dp_linear and dp_linear_silu at every size against
   2.26-2.42 with oneDNN and `silu_and_mul` above 256 rows (interleaved runs), so dp_linear now
   serves every size and no oneDNN copy of these weights is kept.
+- **GGUF's 4-bit levels for bfloat16 iterations of up to `Q4_MAX_ROWS` rows, unquantized**
+  (`shoal::q4_linear`, where dp_linear serves). SmolLM2's projections ship as Q4_1: the
+  bfloat16 weight is `bfloat16(d * q + m)`, q a 4-bit level and d, m float16 per group of 32
+  inputs. The kernel rebuilds each 64-byte vector of dp_linear's layout from 20 bytes (the
+  levels and the group's d and m, `pack_q4_pairs`) in registers, exactly (d q is exact in
+  float32, so an FMA rounds once as gguf's multiply-then-add does, and `vcvtne2ps2bf16` rounds
+  to nearest even as torch does), and runs dp_linear's `vdpbf16ps` steps in dp_linear's order:
+  the same output bits, so nothing a client sees changes, from 67 MB a decode step instead of
+  213. The Linear checks at start-up that the levels give back its weight bit for bit (0.4 s
+  for SmolLM2) and otherwise serves without them. Decoding costs more than the dot products,
+  so the kernel is bound by it, not by memory, and loses past 8 rows (table at Q4_MAX_ROWS);
+  single-stream decode 77-90 -> 122-133 tokens/s (2-core Zen 4, docs/benchmarks.md session 21).
+  Not on AMX CPUs (amx_linear's tiles sum in another order, so the bits would differ), nor
+  under `--quantization`. Tensor-parallel shards carry their part of the levels (the row-parallel
+  ones split by inputs, whole groups of 32 where the split falls on them, else not used).
 - **Lanes kernels for float32 iterations of a few rows under `--quantization`**
   (`shoal::int8_linear`, `shoal::int4_linear`, any AVX-512 CPU): where the engine serves float32
   (`--dtype auto` on CPUs without bfloat16 instructions), torch's weight-only kernels were slower
@@ -177,9 +192,10 @@ AMX_MAX_ROWS = 1024  # shoal::amx_linear beats oneDNN up to here (table above; 2
 # shoal::dp_linear serves bfloat16 iterations of every size where it runs (see above).
 DP_MAX_ROWS = sys.maxsize
 # shoal::q4_linear (GGUF's 4-bit levels, dp_linear's bits) beats dp_linear up to here: all 120
-# SmolLM2 projections, 2-core Zen 4, ms for 1 / 2 / 4 / 8 rows: dp_linear 7.9-9.7 / 7.7-9.6 /
-# 8.1-10.2 / 9.3-11.6, q4_linear 4.3-5.0 / 4.7-5.3 / 5.9-7.2 / 9.9-12.0.
-Q4_MAX_ROWS = 4
+# SmolLM2 projections, 2-core Zen 4, ms (runs interleaved in one process; this host's speed
+# moved 1.5x within the hour): 1 row 7.9-9.7 against 4.3-5.0; 4 rows 10.0 / 7.2; 5 rows 10.7 /
+# 7.6; 8 rows 11.5 / 9.1; 9 rows (two tiles) 11.9 / 11.7; 12 rows 13.2 / 14.4.
+Q4_MAX_ROWS = 8
 # SmolLM2's LM head ([49152, 576]) through dp_linear against oneDNN, ms (2-core Zen 5, A/B
 # interleaved): 8 rows 0.92 / 1.26, 64 rows 4.67 / 4.85, 128 rows 10.25 / 9.30, 256 rows 19.6 /
 # 17.0 (why was not investigated), so it stops earlier. Session 8, another Zen 5 host: 16 rows

@@ -79,7 +79,7 @@ def load_model(path: Path, dtype: torch.dtype, shard: Shard | None = None
         shard: `(name, full float32 tensor) -> the part to keep`, applied to each tensor as it is
             read, so that only one full tensor is in memory at a time (tensor parallelism:
             `worker.parallel.TensorParallel.shard`). The configuration stays the full model's.
-            Sharded loads carry no 4-bit levels (below).
+            4-bit levels and scales (below) go through it under their weight's name.
 
     A GGUF file is read once: its configuration and its tensors, dequantized to float32 in Hugging
     Face names and layout, are written to a safetensors file in shoal's cache (`shoal.model_files.
@@ -223,9 +223,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, shard: Shard | None) -> tuple[Mod
     weights: Weights = {}
 
     def add(name: str, w: torch.Tensor) -> None:
-        if name.endswith(_Q4_SUFFIXES):
-            if shard is None:  # levels of the whole tensor only
-                weights[name] = w
+        if name.endswith(_Q4_SUFFIXES):  # split as their weight is (rows, or inputs by groups)
+            weight = name.removesuffix(Q4_LEVELS).removesuffix(Q4_SCALE_MIN) + ".weight"
+            weights[name] = shard(weight, w) if shard else w
         else:
             weights[name] = (shard(name, w) if shard else w).to(dtype)
 

@@ -2157,11 +2157,14 @@ Tensor dp_linear_silu(const Tensor& x_in, const Tensor& packed) {
 // low and the high 16 words vcvtne2ps2bf16 writes, which then lie in dp_linear's pair order.
 // ---------------------------------------------------------------------------------------------
 constexpr int64_t kQ4GroupBytes = 64 + 16 * 16;
-// Tiles (rows x 16-channel blocks). A block's steps are a chain of vdpbf16ps (dp_linear's order,
-// which must be kept), so rows of one take 4 blocks at a time; SmolLM2's 120 projections, 1 row,
-// 2-core Zen 4: 2 blocks 6.0 ms, 4 to 12 blocks 4.3-4.7 (the decoding bounds it).
+// Tiles (rows x 16-channel blocks). Decoding the levels costs more than the dot products, so a
+// tile holds every row (up to 8) and each step is decoded once. A block's steps are a chain of
+// vdpbf16ps (dp_linear's order, which must be kept), so 1-2 rows take 4 blocks at a time.
+// SmolLM2's 120 projections, 2-core Zen 4: 1 row in tiles of 2 blocks 6.0 ms, of 4 to 12 blocks
+// 4.3-4.7 (the decoding bounds it); 5 / 6 / 8 rows in tiles of 4 rows (then 1-4) 10.6 / 11.0 /
+// 11.9 ms, of 8 rows 7.6 / 8.1 / 9.0.
 constexpr int64_t kQ4FewRows = 2, kQ4FewBlocks = 4;
-constexpr int64_t kQ4Rows = 4, kQ4Blocks = 2;
+constexpr int64_t kQ4Rows = 8, kQ4Blocks = 2;
 
 // A group's d and m in the lanes of its steps' two halves: lanes 2c and 2c + 1 hold channel c
 // (low half) or 8 + c (high half).
@@ -2226,8 +2229,8 @@ inline void q4_linear_tail(int64_t rem, const char* x, const char* w, int64_t ro
   }
 }
 
-// All m rows of x against blocks [nb, nb + NR): MR rows at a time while the blocks' weights are in
-// L1 (the rows are few: worker/linear.py Q4_MAX_ROWS).
+// All m rows of x against blocks [nb, nb + NR), MR rows at a time (one tile where m <= MR, as
+// worker/linear.py's Q4_MAX_ROWS keeps it).
 template <int64_t MR, int64_t NR, class Store>
 inline void q4_linear_rows(const char* x, const char* w, int64_t m, int64_t row_bytes, int64_t nb,
                            const Store& store) {
