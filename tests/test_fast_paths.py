@@ -77,18 +77,22 @@ def test_greedy_iterations_without_full_logits_pick_the_same_tokens(bf16_model, 
     assert {r: c.token_ids for r, c in lean.items()} == {r: c.token_ids for r, c in full.items()}
 
 
-@pytest.mark.skipif(not ops.dp_linear_available() or ops.amx_available(),
-                    reason="shoal::q4_linear serves where dp_linear does (AVX512_BF16, no AMX)")
-def test_decoding_from_the_files_4_bit_levels_changes_no_logprob(bf16_model, tokenizer):
-    """SmolLM2's projections ship as Q4_1: iterations of up to Q4_MAX_ROWS rows read the levels
-    (shoal::q4_linear) instead of the bfloat16 weights. The tokens and every logprob, to the bit,
-    equal an engine's without the levels, in iterations of 4 rows and of 1."""
-    cfg, weights = bf16_model
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decoding_from_the_files_4_bit_levels_changes_no_logprob(dtype, bf16_model, fp32_model,
+                                                                 tokenizer):
+    """SmolLM2's projections ship as Q4_1: iterations of a few rows read the levels
+    (shoal::q4_linear in bfloat16, q4_lanes_linear in float32) instead of the unquantized
+    weights. The tokens and every logprob, to the bit, equal an engine's without the levels, in
+    iterations of 4 rows and of 1."""
+    model = bf16_model if dtype == torch.bfloat16 else fp32_model
+    cfg, weights = model
     plain = (cfg, {n: w for n, w in weights.items() if not n.endswith((Q4_LEVELS, Q4_SCALE_MIN))})
     runs = []
-    for model in (bf16_model, plain):
-        engine = make_engine(model, dtype=torch.bfloat16)
-        assert (engine.model.layers[0].gate_up.q4 is not None) == (model is bf16_model)
+    for m in (model, plain):
+        engine = make_engine(m, dtype=dtype)
+        if engine.model.layers[0].gate_up.q4 is None and m is model:
+            pytest.skip(f"no 4-bit levels kernel for {dtype} on this CPU")
+        assert (engine.model.layers[0].gate_up.q4 is not None) == (m is model)
         params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
         reqs = [dataclasses.replace(r, params=params) for r in _requests(tokenizer, 16)]
         out = generate(engine, reqs)  # 4 decodes an iteration

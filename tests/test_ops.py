@@ -17,6 +17,7 @@ from worker.linear import (
     INT4_Q8_MAX_ROWS,
     LANES_MAX_ROWS,
     LM_HEAD_DP_MAX_ROWS,
+    Q4_LANES_MAX_ROWS,
     Q4_MAX_ROWS,
     QUANTIZED_MAX_ROWS,
     W8A8_MIN_ROWS,
@@ -25,6 +26,7 @@ from worker.linear import (
     pack_int4_lanes,
     pack_int4_quads,
     pack_lanes,
+    pack_q4_lanes,
     pack_q4_pairs,
     q4_weight,
     quantize_int4,
@@ -342,28 +344,60 @@ def test_q4_linear_gives_dp_linears_bits_from_4_bit_levels(out_features, in_feat
                                   False)
 
 
-@pytest.mark.skipif(not ops.dp_linear_available() or ops.amx_available(),
-                    reason="needs AVX512_BF16 without AMX")
+@pytest.mark.skipif(not ops.lanes_linear_available(), reason="the lanes kernels are not built here")
+@pytest.mark.parametrize(("out_features", "in_features", "q4_0"),
+                         [(32, 64, False), (960, 576, True)])
+def test_q4_lanes_linear_gives_f32_linears_bits_from_4_bit_levels(out_features, in_features,
+                                                                  q4_0):
+    """The float32 counterpart: shoal::q4_lanes_linear equals f32_linear over the float32 weight
+    the levels stand for, to the bit, and float32 math."""
+    g = torch.Generator().manual_seed(90 + in_features)
+    levels, scale_min = _q4_levels(out_features, in_features, g, q4_0)
+    w = q4_weight(levels, scale_min, torch.float32)
+    packed, lanes = pack_q4_lanes(levels, scale_min), pack_lanes(w)
+    for rows in (1, 2, 3, 4, 5, 9, 33):
+        x = torch.randn(rows, in_features, generator=g)
+        y = torch.ops.shoal.q4_lanes_linear(x, packed)
+        assert torch.equal(y.view(torch.int32), torch.ops.shoal.f32_linear(x, lanes).view(torch.int32))
+        assert rel(y, torch.nn.functional.linear(x, w)) <= 1e-5
+
+
+def _q4_served(dtype: torch.dtype) -> bool:
+    """Whether a Linear of `dtype` takes 4-bit levels on this CPU (worker/linear.py)."""
+    if dtype == torch.bfloat16:
+        return ops.dp_linear_available() and not ops.amx_available()
+    return ops.lanes_linear_available()
+
+
 @pytest.mark.parametrize("swiglu", [False, True])
-def test_linear_serves_few_rows_from_levels_that_give_back_its_weight(swiglu, caplog):
-    """A Linear given the levels its bfloat16 weight came from serves iterations of up to
-    Q4_MAX_ROWS rows from them (with the pair weights zeroed, exactly those rows still come out
-    right); levels that do not give back the weight are refused, with a warning."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_serves_few_rows_from_levels_that_give_back_its_weight(dtype, swiglu, caplog):
+    """A Linear given the levels its weight came from serves iterations of up to Q4_MAX_ROWS
+    rows (bfloat16) or Q4_LANES_MAX_ROWS (float32) from them (with its other copies zeroed,
+    exactly those rows still come out right); levels that do not give back the weight are
+    refused, with a warning."""
+    if not _q4_served(dtype):
+        pytest.skip(f"no 4-bit levels kernel for {dtype} on this CPU")
     g = torch.Generator().manual_seed(80 + swiglu)
     levels, scale_min = _q4_levels(64, 96, g)
-    w = q4_weight(levels, scale_min, torch.bfloat16)
+    w = q4_weight(levels, scale_min, dtype)
     lin = Linear(w, kernels=True, swiglu=swiglu, q4=(levels, scale_min))
-    assert lin.q4 is not None and lin.q4_max_rows == Q4_MAX_ROWS
-    lin.pairs = torch.zeros_like(lin.pairs)
-    for rows in (1, Q4_MAX_ROWS, Q4_MAX_ROWS + 1):
-        x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    max_rows = Q4_MAX_ROWS if dtype == torch.bfloat16 else Q4_LANES_MAX_ROWS
+    assert lin.q4 is not None and lin.q4_max_rows == max_rows
+    assert lin.q4_lanes == (dtype == torch.float32)
+    if dtype == torch.bfloat16:
+        lin.pairs = torch.zeros_like(lin.pairs)
+    else:
+        lin.lanes = (torch.zeros_like(lin.lanes[0]),)
+    for rows in (1, max_rows, max_rows + 1):
+        x = torch.randn(rows, 96, generator=g).to(dtype)
         exact = torch.nn.functional.linear(x.float(), w.float())
         if swiglu:
             gate, up = exact.chunk(2, dim=-1)
             exact = torch.nn.functional.silu(gate) * up
         y = lin.silu_and_mul(x) if swiglu else lin(x)
-        assert (rel(y, exact) <= 5e-3) == (rows <= Q4_MAX_ROWS), rows
-        if swiglu and rows <= Q4_MAX_ROWS:  # the projection itself, in [gate | up] order
+        assert (rel(y, exact) <= 5e-3) == (rows <= max_rows), rows
+        if swiglu and rows <= max_rows:  # the projection itself, in [gate | up] order
             assert rel(lin(x), torch.nn.functional.linear(x.float(), w.float())) <= 5e-3
     wrong = levels.clone()
     wrong[5, 7] ^= 1

@@ -86,7 +86,7 @@ for the number of rows an iteration brings.
   W64's prefill iterations 2.14-2.30 s with dp_linear and dp_linear_silu at every size against
   2.26-2.42 with oneDNN and `silu_and_mul` above 256 rows (interleaved runs), so dp_linear now
   serves every size and no oneDNN copy of these weights is kept.
-- **GGUF's 4-bit levels for bfloat16 iterations of up to `Q4_MAX_ROWS` rows, unquantized**
+- **GGUF's 4-bit levels for iterations of a few rows, unquantized**
   (`shoal::q4_linear`, where dp_linear serves). SmolLM2's projections ship as Q4_1: the
   bfloat16 weight is `bfloat16(d * q + m)`, q a 4-bit level and d, m float16 per group of 32
   inputs. The kernel rebuilds each 64-byte vector of dp_linear's layout from 20 bytes (the
@@ -98,6 +98,11 @@ for the number of rows an iteration brings.
   for SmolLM2) and otherwise serves without them. Decoding costs more than the dot products,
   so the kernel is bound by it, not by memory, and loses past 8 rows (table at Q4_MAX_ROWS);
   single-stream decode 77-90 -> 122-133 tokens/s (2-core Zen 4, docs/benchmarks.md session 21).
+  Where the engine serves float32, `shoal::q4_lanes_linear` does the same beside `f32_linear`
+  (its chains and order, float32 weights d q + m: f32_linear's bits) for up to
+  `Q4_LANES_MAX_ROWS` rows: a decode step reads 67 MB instead of 425; single-stream decode
+  40-63 -> 103-113 tokens/s with `--dtype float32` on the Zen 4 (AVX2-only CPUs run the same
+  code on pairs of ymm registers; not measured there).
   Not on AMX CPUs (amx_linear's tiles sum in another order, so the bits would differ), nor
   under `--quantization`. Tensor-parallel shards carry their part of the levels (the row-parallel
   ones split by inputs, whole groups of 32 where the split falls on them, else not used).
@@ -196,6 +201,11 @@ DP_MAX_ROWS = sys.maxsize
 # moved 1.5x within the hour): 1 row 7.9-9.7 against 4.3-5.0; 4 rows 10.0 / 7.2; 5 rows 10.7 /
 # 7.6; 8 rows 11.5 / 9.1; 9 rows (two tiles) 11.9 / 11.7; 12 rows 13.2 / 14.4.
 Q4_MAX_ROWS = 8
+# shoal::q4_lanes_linear (float32 serving, f32_linear's bits) beats f32_linear up to here: all
+# 120 SmolLM2 projections, 2-core Zen 4 (AVX-512), ms for 1 / 2 / 4 / 8 / 16 / 32 / 48 / 64 rows:
+# f32_linear 12.0 / 12.9 / 13.1 / 20.2 / 34.4 / 50.8-58.7 / 75.5 / 127, q4_lanes_linear 5.4 /
+# 6.3 / 7.8 / 14.3 / 27.0 / 47.3-53.1 / 74.9 / 140.
+Q4_LANES_MAX_ROWS = 32
 # SmolLM2's LM head ([49152, 576]) through dp_linear against oneDNN, ms (2-core Zen 5, A/B
 # interleaved): 8 rows 0.92 / 1.26, 64 rows 4.67 / 4.85, 128 rows 10.25 / 9.30, 256 rows 19.6 /
 # 17.0 (why was not investigated), so it stops earlier. Session 8, another Zen 5 host: 16 rows
@@ -378,7 +388,7 @@ def q4_weight(levels: torch.Tensor, scale_min: torch.Tensor, dtype: torch.dtype)
 
 
 def pack_q4_pairs(levels: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
-    """GGUF 4-bit levels in `shoal::q4_linear`'s layout (worker/csrc/cpu_ops.cpp).
+    """GGUF 4-bit levels in `shoal::q4_linear`'s layout (bfloat16 serving; worker/csrc/cpu_ops.cpp).
 
     Args:
         levels: `[N, K]` uint8, 0-15 (N a multiple of 16, K of 32).
@@ -390,10 +400,24 @@ def pack_q4_pairs(levels: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor
         j // 2's level at input 2 s + j % 2 (low nibble) and channel 8 + j // 2's (high).
     """
     n, k = levels.shape
-    blocks, groups = n // 16, k // 32
-    words = levels.view(blocks, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)  # [nb, g, s, ch, pair]
-    words = words.reshape(blocks, groups, 16, 32)  # word 2 ch + e: dp_linear's order
-    steps = words[..., :16] | (words[..., 16:] << 4)
+    words = levels.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)  # [nb, g, s, ch, e]
+    words = words.reshape(n // 16, k // 32, 16, 32)  # word 2 ch + e: dp_linear's order
+    return _q4_groups(scale_min, words[..., :16] | (words[..., 16:] << 4))
+
+
+def pack_q4_lanes(levels: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
+    """GGUF 4-bit levels in `shoal::q4_lanes_linear`'s layout (float32 serving): as
+    `pack_q4_pairs` but byte j of step s holds channel j's levels at inputs 2 s (low nibble) and
+    2 s + 1 (high)."""
+    n, k = levels.shape
+    pairs = levels.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)  # [nb, g, s, ch, e]
+    return _q4_groups(scale_min, pairs[..., 0] | (pairs[..., 1] << 4))
+
+
+def _q4_groups(scale_min: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Each group's d[16] and m[16] (from `scale_min` `[N, K / 32, 2]`) followed by its 16 steps
+    (`steps` `[N / 16, K / 32, 16, 16]` uint8)."""
+    blocks, groups = steps.shape[:2]
     scales = scale_min.view(blocks, 16, groups, 2).permute(0, 2, 3, 1).contiguous()
     return torch.cat([scales.view(torch.uint8).reshape(blocks, groups, 64),
                       steps.reshape(blocks, groups, 256)], dim=2).contiguous()
@@ -541,12 +565,20 @@ class Linear:
             if self.pairs_max_rows:
                 self.pairs = on_huge_pages(torch.ops.shoal.pack_weight_pairs(
                     swiglu_interleave(weight) if self.swiglu_pairs else weight))
-        self.q4: torch.Tensor | None = None  # shoal::q4_linear's packed levels
+        # GGUF's 4-bit levels for few-row iterations: shoal::q4_linear beside dp_linear
+        # (bfloat16), shoal::q4_lanes_linear beside f32_linear (float32).
+        self.q4: torch.Tensor | None = None
+        self.q4_lanes = False
         self.q4_max_rows = 0
-        if (q4 is not None and quantization == "none" and self.pairs is not None
-                and not self.amx and self.pairs_max_rows >= Q4_MAX_ROWS):
-            self.q4 = self._pack_q4(weight, *q4)
-            self.q4_max_rows = Q4_MAX_ROWS if self.q4 is not None else 0
+        if q4 is not None and quantization == "none":
+            if self.pairs is not None and not self.amx and self.pairs_max_rows >= Q4_MAX_ROWS:
+                self.q4 = self._pack_q4(weight, *q4, pack_q4_pairs)
+                self.q4_max_rows = Q4_MAX_ROWS
+            elif self.lanes_op == torch.ops.shoal.f32_linear:
+                self.q4 = self._pack_q4(weight, *q4, pack_q4_lanes)
+                self.q4_lanes, self.q4_max_rows = True, Q4_LANES_MAX_ROWS
+            if self.q4 is None:
+                self.q4_max_rows = 0
         # `[in, out]` int8 (a transposed view: what torch._int_mm takes) and `[out]` float32
         # scales. Not where AMX tiles serve bfloat16: they beat `torch._int_mm` at every size
         # measured on an AMX host (`[2048, 576] x [576, 3072]`: 3.2-4.0 ms against oneDNN's
@@ -574,24 +606,26 @@ class Linear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_ROWS_HINT)
             self.weight = None
 
-    def _pack_q4(self, weight: torch.Tensor, levels: torch.Tensor, scale_min: torch.Tensor
-                 ) -> torch.Tensor | None:
-        """The levels in q4_linear's layout, or None (logged) where they do not give back the
-        weight to the bit: its result would then differ from dp_linear's."""
+    def _pack_q4(self, weight: torch.Tensor, levels: torch.Tensor, scale_min: torch.Tensor,
+                 pack) -> torch.Tensor | None:
+        """The levels packed by `pack`, or None (logged) where they do not give back the weight
+        to the bit: the kernel's result would then differ from the unquantized one's."""
+        bits = torch.int16 if weight.dtype == torch.bfloat16 else torch.int32
         if (levels.shape != weight.shape or not torch.equal(
-                q4_weight(levels, scale_min, weight.dtype).view(torch.int16),
-                weight.view(torch.int16))):
+                q4_weight(levels, scale_min, weight.dtype).view(bits), weight.view(bits))):
             log.warning("a projection's 4-bit levels do not give back its weight; it is served "
                         "from the %s weight alone", str(weight.dtype).removeprefix("torch."))
             return None
         if self.swiglu_pairs:  # gate and up blocks interleaved, as in self.pairs
             levels = swiglu_interleave(levels)
             scale_min = swiglu_interleave(scale_min.flatten(1)).view(scale_min.shape)
-        return pack_q4_pairs(levels, scale_min)
+        return pack(levels, scale_min)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`x` `[rows, in_features]` -> `[rows, out_features]`, both in the serving dtype."""
         if x.shape[0] <= self.q4_max_rows:
+            if self.q4_lanes:
+                return torch.ops.shoal.q4_lanes_linear(x, self.q4)
             y = torch.ops.shoal.q4_linear(x, self.q4, False)
             return swiglu_deinterleave(y) if self.swiglu_pairs else y
         if x.shape[0] <= self.max_quantized_rows:

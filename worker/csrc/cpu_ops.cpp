@@ -38,6 +38,10 @@ namespace {
 
 using at::Tensor;
 
+// Bytes of a group of 32 inputs x 16 output channels of GGUF 4-bit levels in the layouts of
+// q4_linear and q4_lanes_linear: d[16] and m[16] float16, then 16 x 16 bytes of levels.
+constexpr int64_t kQ4GroupBytes = 64 + 16 * 16;
+
 // (Bit casts are __builtin_bit_cast: a memcpy through a local stops GCC's vectoriser.)
 // Kernels are templated on the storage type: float for float32, uint16_t holding the bits of a
 // bfloat16. Conversions are branch-free so GCC vectorises the loops (c10::BFloat16's own branch
@@ -1294,6 +1298,51 @@ void lanes_rows(const float* x, const W* w, const float* scale, float* y, int64_
   }
 }
 
+// float32 weights rebuilt from GGUF's 4-bit levels (see q4_linear below for the scheme): rows of
+// x against channel groups g and g + 1, with lanes_rows' chains and order, so the result is
+// f32_linear's to the bit (d q + m is exact in one FMA, as the loader's float32 weight is).
+// `w` is q4_lanes_linear's layout: per 16-channel group and 32 inputs, d[16] and m[16] float16,
+// then 16 vectors of 16 bytes, byte j of vector s holding channel j's levels at inputs 2 s (low
+// nibble) and 2 s + 1 (high).
+
+template <int64_t M>
+void q4_lanes_rows(const float* x, const uint8_t* w, float* y, int64_t k, int64_t n, int64_t g) {
+  const int64_t block_bytes = k / 32 * kQ4GroupBytes;
+  const uint8_t* w0 = w + g * block_bytes;
+  const uint8_t* w1 = w0 + block_bytes;
+  Lanes16 acc[kLaneChains][M][2];  // as lanes_rows: [input mod kLaneChains][row][group]
+  for (auto& a : acc)
+    for (auto& r : a) r[0] = r[1] = Lanes16::zero();
+  for (int64_t b = 0; b < k / 32; ++b) {
+    const uint8_t* b0 = w0 + b * kQ4GroupBytes;
+    const uint8_t* b1 = w1 + b * kQ4GroupBytes;
+    const auto half = [](const uint8_t* p) { return reinterpret_cast<const uint16_t*>(p); };
+    const Lanes16 d0 = Lanes16::load_half(half(b0)), m0 = Lanes16::load_half(half(b0 + 32));
+    const Lanes16 d1 = Lanes16::load_half(half(b1)), m1 = Lanes16::load_half(half(b1 + 32));
+    for (int64_t s = 0; s < 16; ++s) {
+      Lanes16 q0[2], q1[2];  // levels of inputs 2 s and 2 s + 1
+      Lanes16::load_nibbles(b0 + 64 + 16 * s, q0[0], q0[1]);
+      Lanes16::load_nibbles(b1 + 64 + 16 * s, q1[0], q1[1]);
+      for (int64_t e = 0; e < 2; ++e) {
+        const int64_t c = 32 * b + 2 * s + e, p = c % kLaneChains;
+        const Lanes16 a = fmadd(q0[e], d0, m0), bw = fmadd(q1[e], d1, m1);
+        for (int64_t i = 0; i < M; ++i) {
+          const Lanes16 xv = Lanes16::all(x[i * k + c]);
+          acc[p][i][0] = fmadd(a, xv, acc[p][i][0]);
+          acc[p][i][1] = fmadd(bw, xv, acc[p][i][1]);
+        }
+      }
+    }
+  }
+  for (int64_t h = 0; h < 2; ++h) {
+    for (int64_t i = 0; i < M; ++i) {
+      Lanes16 sum = acc[0][i][h];
+      for (int64_t p = 1; p < kLaneChains; ++p) sum = sum + acc[p][i][h];
+      sum.store(y + i * n + (g + h) * 16);
+    }
+  }
+}
+
 template <int64_t M>
 void int4_lanes_rows(const float* x, const float* x_sum, const uint8_t* w, const uint16_t* sm,
                      float* y, int64_t k, int64_t n, int64_t g) {
@@ -1406,6 +1455,27 @@ Tensor f32_linear(const Tensor& x, const Tensor& w) {
   for_lane_tiles(m, n, [&](auto rows, int64_t i0, int64_t g) {
     lanes_rows<decltype(rows)::value>(xp + i0 * k, wp, static_cast<const float*>(nullptr),
                                       yp + i0 * n, k, n, g);
+  });
+  return y.to(x.scalar_type());
+}
+
+// y = x W^T for x `[M, K]` float32 or bfloat16 against W's 4-bit levels `packed`
+// `[N / 16, K / 32, kQ4GroupBytes]` uint8 (q4_lanes_rows' layout); returns `[M, N]` in x's dtype:
+// f32_linear's result over the float32 weight the levels stand for, bit for bit.
+Tensor q4_lanes_linear(const Tensor& x, const Tensor& packed) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kQ4GroupBytes &&
+              packed.scalar_type() == at::kByte,
+              "q4_lanes_linear: packed weight [N/16, K/32, ", kQ4GroupBytes, "] uint8");
+  const int64_t k = packed.size(1) * 32, n = packed.size(0) * 16, m = x.size(0);
+  check_lanes_input(x, packed, k, "q4_lanes_linear");
+  TORCH_CHECK(n % 32 == 0, "q4_lanes_linear: N a multiple of 32");
+  const Tensor xf = x.to(at::kFloat);
+  Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  for_lane_tiles(m, n, [&](auto rows, int64_t i0, int64_t g) {
+    q4_lanes_rows<decltype(rows)::value>(xp + i0 * k, wp, yp + i0 * n, k, n, g);
   });
   return y.to(x.scalar_type());
 }
@@ -2156,7 +2226,6 @@ Tensor dp_linear_silu(const Tensor& x_in, const Tensor& packed) {
 // nibble that of channel 8 + j / 2: widened to 32-bit lanes and split, the two halves are the
 // low and the high 16 words vcvtne2ps2bf16 writes, which then lie in dp_linear's pair order.
 // ---------------------------------------------------------------------------------------------
-constexpr int64_t kQ4GroupBytes = 64 + 16 * 16;
 // Tiles (rows x 16-channel blocks). Decoding the levels costs more than the dot products, so a
 // tile holds every row (up to 8) and each step is decoded once. A block's steps are a chain of
 // vdpbf16ps (dp_linear's order, which must be kept), so 1-2 rows take 4 blocks at a time.
@@ -2344,6 +2413,7 @@ TORCH_LIBRARY(shoal, m) {
 #ifdef SHOAL_LANES
   m.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("f32_linear(Tensor x, Tensor w) -> Tensor");
+  m.def("q4_lanes_linear(Tensor x, Tensor packed) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor w, Tensor scale_min) -> Tensor");
 #endif
 #ifdef SHOAL_INT4_Q8
@@ -2380,6 +2450,7 @@ TORCH_LIBRARY_IMPL(shoal, CPU, m) {
 #ifdef SHOAL_LANES
   m.impl("int8_linear", &int8_linear);
   m.impl("f32_linear", &f32_linear);
+  m.impl("q4_lanes_linear", &q4_lanes_linear);
   m.impl("int4_linear", &int4_linear);
 #endif
 #ifdef SHOAL_INT4_Q8
