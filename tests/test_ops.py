@@ -315,12 +315,13 @@ def _q4_levels(out_features: int, in_features: int, g: torch.Generator, q4_0: bo
 @pytest.mark.skipif(not ops.dp_linear_available() or ops.amx_available(),
                     reason="needs AVX512_BF16 without AMX")
 @pytest.mark.parametrize(("out_features", "in_features", "q4_0"),
-                         [(32, 64, False), (96, 576, True), (960, 128, False)])
+                         [(32, 64, False), (128, 64, False), (96, 576, True),
+                          (960, 128, False)])
 def test_q4_linear_gives_dp_linears_bits_from_4_bit_levels(out_features, in_features, q4_0):
     """shoal::q4_linear rebuilds the bfloat16 weight from GGUF's 4-bit levels in registers and
     must return dp_linear's result over that weight to the bit (so serving from the levels
     changes no logit), plain and SwiGLU, for row counts that fill and leave partial tiles (32
-    and 96 channels: 2 and 6 blocks, outside the 4-block tiles of 1-2 rows); the values are
+    and 128 channels: 2 and 8 blocks, 2 outside the 6-block tiles of 1-2 rows); the values are
     also checked against float32 math, so a layout error shared by both cannot pass."""
     g = torch.Generator().manual_seed(70 + in_features)
     levels, scale_min = _q4_levels(out_features, in_features, g, q4_0)

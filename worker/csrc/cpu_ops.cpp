@@ -2228,11 +2228,12 @@ Tensor dp_linear_silu(const Tensor& x_in, const Tensor& packed) {
 // ---------------------------------------------------------------------------------------------
 // Tiles (rows x 16-channel blocks). Decoding the levels costs more than the dot products, so a
 // tile holds every row (up to 8) and each step is decoded once. A block's steps are a chain of
-// vdpbf16ps (dp_linear's order, which must be kept), so 1-2 rows take 4 blocks at a time.
-// SmolLM2's 120 projections, 2-core Zen 4: 1 row in tiles of 2 blocks 6.0 ms, of 4 to 12 blocks
-// 4.3-4.7 (the decoding bounds it); 5 / 6 / 8 rows in tiles of 4 rows (then 1-4) 10.6 / 11.0 /
-// 11.9 ms, of 8 rows 7.6 / 8.1 / 9.0.
-constexpr int64_t kQ4FewRows = 2, kQ4FewBlocks = 4;
+// vdpbf16ps (dp_linear's order, which must be kept), so 1-2 rows take several blocks at a time:
+// six, which also splits SmolLM2's 36, 60 and 192 blocks evenly between two threads. Its 120
+// projections, 2-core Zen 4: 1 row in tiles of 2 blocks 6.0 ms, of 4 to 12 blocks 4.3-4.7 (the
+// decoding bounds it), 6 blocks against 4 in turns 4.64-4.95 against 5.13-5.47; 5 / 6 / 8 rows
+// in tiles of 4 rows (then 1-4) 10.6 / 11.0 / 11.9 ms, of 8 rows 7.6 / 8.1 / 9.0.
+constexpr int64_t kQ4FewRows = 2, kQ4FewBlocks = 6;
 constexpr int64_t kQ4Rows = 8, kQ4Blocks = 2;
 
 // A group's d and m in the lanes of its steps' two halves: lanes 2c and 2c + 1 hold channel c
