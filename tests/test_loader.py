@@ -162,6 +162,12 @@ def test_gguf_is_read_once_then_loaded_from_its_weights_cache(tmp_path, monkeypa
     cfg, first = load_model(path, torch.float32)  # reads the GGUF file, writes the cache
     entries = list((tmp_path / "cache" / "weights").rglob("*.safetensors"))
     assert len(entries) == 1
+    # A file of an older format in the entry is removed when the current one is written.
+    old = entries[0].with_name("v0.safetensors")
+    old.write_bytes(b"an older format")
+    entries[0].unlink()
+    load_model(path, torch.float32)
+    assert list((tmp_path / "cache" / "weights").rglob("*.safetensors")) == entries
 
     def no_gguf(path):
         raise AssertionError("read the GGUF file again")

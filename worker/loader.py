@@ -83,7 +83,7 @@ def load_model(path: Path, dtype: torch.dtype, shard: Shard | None = None
 
     A GGUF file is read once: its configuration and its tensors, dequantized to float32 in Hugging
     Face names and layout, are written to a safetensors file in shoal's cache (`shoal.model_files.
-    cache_entry`, kind "weights": 0.54 GB for SmolLM2), which later loads read instead. gguf's
+    cache_entry`, kind "weights": 0.66 GB for SmolLM2 with its 4-bit levels), which later loads read instead. gguf's
     reader parses every metadata field one numpy view at a time, SmolLM2's 98,000 vocabulary and
     merge strings included, and dequantizing takes as long again: 6.7 s a load on a 2-core AMD EPYC
     against about 0.5 s from the cache. The first load holds the whole float32 model at once.
@@ -208,6 +208,10 @@ def _gguf_cache(path: Path) -> tuple[ModelConfig, Path | None]:
         cached.parent.mkdir(parents=True, exist_ok=True)
         save_file(weights, str(tmp), metadata={_CONFIG_KEY: json.dumps(dataclasses.asdict(cfg))})
         os.replace(tmp, cached)  # atomic: concurrent writers (tensor-parallel ranks) agree
+        for stale in cached.parent.glob("v*.safetensors"):  # older formats' files, never read
+            if stale != cached:
+                with contextlib.suppress(OSError):
+                    stale.unlink()
     except Exception as e:  # a read-only or full disk costs start-up time, nothing else
         log.warning("could not write the weights cache %s (%s)", cached, e)
         with contextlib.suppress(OSError):
