@@ -83,10 +83,11 @@ def load_model(path: Path, dtype: torch.dtype, shard: Shard | None = None
 
     A GGUF file is read once: its configuration and its tensors, dequantized to float32 in Hugging
     Face names and layout, are written to a safetensors file in shoal's cache (`shoal.model_files.
-    cache_entry`, kind "weights": 0.66 GB for SmolLM2 with its 4-bit levels), which later loads read instead. gguf's
-    reader parses every metadata field one numpy view at a time, SmolLM2's 98,000 vocabulary and
-    merge strings included, and dequantizing takes as long again: 6.7 s a load on a 2-core AMD EPYC
-    against about 0.5 s from the cache. The first load holds the whole float32 model at once.
+    cache_entry`, kind "weights": 0.66 GB for SmolLM2 with its 4-bit levels), which later loads
+    read instead. gguf's reader parses every metadata field one numpy view at a time, SmolLM2's
+    98,000 vocabulary and merge strings included, and dequantizing takes as long again: 6.7 s a
+    load on a 2-core AMD EPYC against about 0.5 s from the cache. The first load holds the whole
+    float32 model at once.
 
     A GGUF projection stored as Q4_0 or Q4_1 also comes with its levels and scales,
     `<prefix>.q4_levels` `[out, in]` uint8 and `<prefix>.q4_scale_min` `[out, in / 32, 2]` float16
