@@ -374,7 +374,7 @@ def pack_int8_quads(q: torch.Tensor, scale: torch.Tensor, swiglu: bool
     return (on_huge_pages(packed), scale.contiguous(), q.sum(dim=1, dtype=torch.int32))
 
 
-Q4_GROUP_BYTES = 64 + 16 * 16  # a group of 32 inputs for 16 channels in pack_q4_pairs' layout
+Q4_GROUP_BYTES = 64 + 16 * 16  # 32 inputs x 16 channels: pack_q4_pairs, pack_q4_lanes
 
 
 def q4_weight(levels: torch.Tensor, scale_min: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -476,10 +476,11 @@ class Linear:
             copy interleaves gate and up blocks for `shoal::dp_linear_silu` (calling the
             projection itself still returns `[gate | up]`).
         q4: the GGUF 4-bit levels `[out, in]` uint8 and scales `[out, in / 32, 2]` float16 the
-            weight was dequantized from (worker.loader), or None. Unquantized, where dp_linear
-            serves and the levels give back the weight bit for bit (checked here), iterations
-            of up to Q4_MAX_ROWS rows read them through `shoal::q4_linear`: dp_linear's result
-            from a third of the bytes.
+            weight was dequantized from (worker.loader), or None. Unquantized, where the levels
+            give back the weight bit for bit (checked here), iterations of up to Q4_MAX_ROWS rows
+            read them through `shoal::q4_linear` where dp_linear serves (bfloat16), and of up to
+            Q4_LANES_MAX_ROWS through `shoal::q4_lanes_linear` where f32_linear does (float32):
+            the unquantized kernel's result from a third (a sixth) of the bytes.
 
     Raises:
         ValueError: an unknown quantization, or int4 on a shape it cannot take.
@@ -574,7 +575,7 @@ class Linear:
             if self.pairs is not None and not self.amx and self.pairs_max_rows >= Q4_MAX_ROWS:
                 self.q4 = self._pack_q4(weight, *q4, pack_q4_pairs)
                 self.q4_max_rows = Q4_MAX_ROWS
-            elif self.lanes_op == torch.ops.shoal.f32_linear:
+            elif self.lanes_op is not None and quantization == "none":  # f32_linear's lanes
                 self.q4 = self._pack_q4(weight, *q4, pack_q4_lanes)
                 self.q4_lanes, self.q4_max_rows = True, Q4_LANES_MAX_ROWS
             if self.q4 is None:

@@ -89,8 +89,9 @@ class LlamaModel:
         self.cfg = cfg
         self.tp = tp
         self.device = torch.device(device)
-        if self.device.type != "cpu":
-            weights = {name: w.to(self.device) for name, w in weights.items()}
+        if self.device.type != "cpu":  # (the 4-bit levels serve CPU kernels only)
+            weights = {name: w.to(self.device) for name, w in weights.items()
+                       if not name.endswith((Q4_LEVELS, Q4_SCALE_MIN))}
         self.dtype = weights["model.embed_tokens.weight"].dtype
         self.kernels = fast_paths and self.device.type == "cpu" and ops.kernels_enabled(self.dtype)
         self.attention = make_backend(attention_backend, self.device, self.kernels)
