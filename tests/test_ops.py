@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from worker import cpu_ops, ops
-from worker.attention import TorchAttention, build_metadata, decode_attention_reference, write_kv
+from worker.attention import (
+    AttentionBackend,
+    TorchAttention,
+    build_metadata,
+    decode_attention_reference,
+    write_kv,
+)
 from worker.linear import (
     AMX_MAX_ROWS,
     DP_MAX_ROWS,
@@ -208,6 +214,41 @@ def test_one_kernel_call_attends_decodes_and_prefill_chunks(dtype, group):
     for span in meta.prefills:  # each chunk by itself: a wrong one is not hidden by the rest
         rows = slice(span.start, span.end)
         assert rel(out[rows], ref[rows]) <= TOL[dtype], (span.num_cached, span.end - span.start)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attend_qkv_is_rope_write_kv_and_paged_attention(dtype):
+    """shoal::attend_qkv (one call a layer) against the backend's three calls in turn on a fused
+    QKV projection of decodes and prefill chunks: the same output and pools, to the bit, and the
+    same RoPE applied in place."""
+    g = torch.Generator().manual_seed(23)
+    hq, hkv, d, bs, num_blocks = 6, 2, 64, 16, 64
+    pools = _random_cache(g, hkv, num_blocks, bs, d, dtype)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    decode_lens = [5, 40]
+    tables = [free[:1], free[1:4]]
+    prefills = [(free[4:8], 20, 30)]  # (table, cached, chunk)
+    meta = build_metadata(tables, decode_lens, prefills, bs)
+    n = len(decode_lens) + 30
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    positions = torch.tensor([4, 39, *range(20, 50)])
+    cos_sin = ops.rope_cos_sin(10000.0, d, 256)
+    runs = []
+    for fused in (True, False):
+        x, k_pool, v_pool = qkv.clone(), pools[0].clone(), pools[1].clone()
+        backend = TorchAttention(cpu_kernels=True)
+        if fused:
+            out = backend.attend(x, positions, cos_sin, k_pool, v_pool, meta, d**-0.5, hq, hkv, d)
+        else:  # the base class's sequence of the same primitives
+            out = AttentionBackend.attend(backend, x, positions, cos_sin, k_pool, v_pool, meta,
+                                          d**-0.5, hq, hkv, d)
+        runs.append((out, x, k_pool, v_pool))
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(runs[0][1], qkv)  # RoPE rotated the rows in place
+    with pytest.raises(RuntimeError, match="qkv"):
+        torch.ops.shoal.attend_qkv(qkv[:, :-64].contiguous(), positions, cos_sin, *pools,
+                                   meta.slot_mapping, *meta.seq_arrays, hq, hkv, d, 1.0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -185,8 +185,8 @@ def build_metadata(
 class AttentionBackend:
     """How attention runs: RoPE, K/V writes, decode and prefill attention, key rotation.
 
-    Subclasses implement the five primitives; `forward` and `shift_request_kv` are written once
-    on top of them. Pool layouts: `k_pool [Hkv, num_blocks, D, BS]` (keys transposed within a
+    Subclasses implement the five primitives; `attend`, `forward` and `shift_request_kv` are
+    written once on top of them (a subclass may fuse them). Pool layouts: `k_pool [Hkv, num_blocks, D, BS]` (keys transposed within a
     block), `v_pool [Hkv, num_blocks, BS, D]`.
     """
 
@@ -222,6 +222,19 @@ class AttentionBackend:
         """Causal attention of every prefill chunk (rows of the flat `q`, `k`, `v`) over its
         cached prefix and itself, into the chunk's rows of `out` `[num_tokens, Hq * D]`."""
         raise NotImplementedError
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+               k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
+               scale: float, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+        """A layer's attention from its fused QKV projection `qkv` `[num_tokens, (Hq + 2 Hkv) D]`
+        (contiguous): RoPE on the query and key heads in place (`rope_`), then `forward`.
+        Returns `[num_tokens, Hq * D]`."""
+        self.rope_(qkv, positions, cos_sin, num_heads + num_kv_heads, head_dim)
+        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
+                             num_kv_heads * head_dim], dim=-1)
+        n = qkv.shape[0]
+        return self.forward(q.view(n, num_heads, head_dim), k.view(n, num_kv_heads, head_dim),
+                            v.view(n, num_kv_heads, head_dim), k_pool, v_pool, meta, scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
                 v_pool: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -288,6 +301,17 @@ class TorchAttention(AttentionBackend):
 
     def rope_(self, qkv, positions, cos_sin, num_heads, head_dim):
         ops.rope_(qkv, positions, cos_sin, num_heads, head_dim, self.cpu_kernels)
+
+    def attend(self, qkv, positions, cos_sin, k_pool, v_pool, meta, scale, num_heads,
+               num_kv_heads, head_dim):
+        if not self.cpu_kernels:
+            return super().attend(qkv, positions, cos_sin, k_pool, v_pool, meta, scale,
+                                  num_heads, num_kv_heads, head_dim)
+        # RoPE, the K/V writes and attention in one call (`shoal::attend_qkv`).
+        tables, starts, lens = meta.seq_arrays
+        return torch.ops.shoal.attend_qkv(qkv, positions, cos_sin, k_pool, v_pool,
+                                          meta.slot_mapping, tables, starts, lens, num_heads,
+                                          num_kv_heads, head_dim, scale)
 
     def forward(self, q, k, v, k_pool, v_pool, meta, scale):
         if not self.cpu_kernels:

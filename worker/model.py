@@ -173,21 +173,15 @@ class LlamaModel:
             the last RMSNorm.
         """
         cfg = self.cfg
-        n = input_ids.shape[0]
         eps, dt, kern = cfg.rms_norm_eps, self.dtype, self.kernels
         x = F.embedding(input_ids, self.embed).float()  # the residual stream, float32
         delta = None  # the last sublayer's output, added to x by the next fused add + norm
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             h = ops.add_rms_norm(x, delta, layer.attn_norm, eps, dt, kern)
-            qkv = layer.qkv(h)
-            self.attention.rope_(qkv, positions, self.cos_sin, cfg.num_heads + cfg.num_kv_heads,
-                                 cfg.head_dim)
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            a = self.attention.forward(q.view(n, cfg.num_heads, cfg.head_dim),
-                                       k.view(n, cfg.num_kv_heads, cfg.head_dim),
-                                       v.view(n, cfg.num_kv_heads, cfg.head_dim),
-                                       kv_cache.k[i], kv_cache.v[i], meta, self.scale)
+            a = self.attention.attend(layer.qkv(h), positions, self.cos_sin, kv_cache.k[i],
+                                      kv_cache.v[i], meta, self.scale, cfg.num_heads,
+                                      cfg.num_kv_heads, cfg.head_dim)
             if i == last and output_rows is not None:
                 a, x = a[output_rows], x[output_rows]
                 if a.shape[0] == 0:
