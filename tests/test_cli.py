@@ -77,6 +77,10 @@ def test_bench_engine_quick_writes_its_json(tmp_path):
     assert figures["transformers_static_batch8"]["generated_tokens"] == figures["shoal"]["generated_tokens"]
     assert set(figures["decode_tokens_per_s"]) == {"1", "8"}
     assert "generated tokens/s" in r.stdout
+    levels = figures["q4_levels"]  # SmolLM2 ships all 120 projections as Q4_1
+    assert levels["of"] == 120 and levels["projections"] in (0, 120)
+    if figures["cpu_kernels"] and figures["avx512_bf16"] and not figures["amx"]:
+        assert levels["projections"] == 120 and levels["max_rows"] >= 8
 
 
 def test_bench_engine_quick_samples_and_speculates_when_asked(tmp_path):

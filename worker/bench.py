@@ -320,6 +320,10 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
     kernels = ("yes, with AMX tiles" if amx else "yes, with AVX512_BF16" if bf16_pairs
                else "yes") if engine.model.kernels else "no (torch path)"
     table.add_row("C++ kernels", kernels)
+    levels, projections, level_rows = engine.model.levels_served()
+    table.add_row("projections read from the file's 4-bit levels (bit for bit)",
+                  f"{levels} of {projections}, iterations of <= {level_rows} rows" if levels
+                  else "none")
     table.add_row("attention backend", engine.model.attention.name)
     table.add_row("model load, kernel build included (s)", f"{load_s:.1f}")
     table.add_row("K/V blocks", f"{engine.num_total_blocks} x {cfg.block_size} tokens")
@@ -338,6 +342,7 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
         "speculative": None if cfg.speculative is None else asdict(cfg.speculative),
         "quantization": cfg.quantization, "perplexity": quality,
         "cpu_kernels": engine.model.kernels, "amx": amx, "avx512_bf16": bf16_pairs,
+        "q4_levels": {"projections": levels, "of": projections, "max_rows": level_rows},
         "attention_backend": engine.model.attention.name,
         "prefill_tokens_per_s": prefill,
         "model_load_seconds": load_s, "peak_rss_bytes": peak_rss,

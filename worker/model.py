@@ -150,6 +150,14 @@ class LlamaModel:
         self.cos_sin = ops.rope_cos_sin(cfg.rope_theta, cfg.head_dim, max_positions).to(self.device)
         self.scale = cfg.head_dim**-0.5
 
+    def levels_served(self) -> tuple[int, int, int]:
+        """Projections whose few-row iterations read the GGUF file's 4-bit levels
+        (worker.linear), all projections, and the most rows those iterations have (0: none)."""
+        linears = [lin for layer in self.layers
+                   for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return (sum(lin.q4 is not None for lin in linears), len(linears),
+                max(lin.q4_max_rows for lin in linears))
+
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

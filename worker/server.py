@@ -154,8 +154,10 @@ class WorkerServer:
         pusher = threading.Thread(target=self._or_fail, args=(self._push_results,), daemon=True)
         reader.start()
         pusher.start()
-        log.info("worker %s serving %s with %d K/V blocks", self.worker_id, self.model,
-                 self.engine.num_total_blocks)
+        levels, projections, level_rows = self.engine.model.levels_served()
+        log.info("worker %s serving %s with %d K/V blocks; %d of %d projections read the file's "
+                 "4-bit levels in iterations of up to %d rows", self.worker_id, self.model,
+                 self.engine.num_total_blocks, levels, projections, level_rows)
         try:
             while not (self._draining.is_set() and not self.engine.running):
                 try:
