@@ -1269,25 +1269,24 @@ Tensor int8_gemv(const Tensor& x, const Tensor& w, const Tensor& w_scale, const 
 inline Lanes16 load_weights(const int8_t* p) { return Lanes16::load_int8(p); }
 inline Lanes16 load_weights(const float* p) { return Lanes16::load(p); }
 
-template <int64_t M, typename W>
-void lanes_rows(const float* x, const W* w, const float* scale, float* y, int64_t k, int64_t n,
-                int64_t g) {
-  const W* w0 = w + g * k * 16;
-  const W* w1 = w0 + k * 16;
-  Lanes16 acc[kLaneChains][M][2];  // [input mod kLaneChains][row][group]
-  for (auto& a : acc)
-    for (auto& r : a) r[0] = r[1] = Lanes16::zero();
-  for (int64_t c = 0; c < k; c += kLaneChains) {
-    for (int64_t p = 0; p < kLaneChains; ++p) {
-      const Lanes16 a = load_weights(w0 + (c + p) * 16);
-      const Lanes16 b = load_weights(w1 + (c + p) * 16);
-      for (int64_t i = 0; i < M; ++i) {
-        const Lanes16 xv = Lanes16::all(x[i * k + c + p]);
-        acc[p][i][0] = fmadd(a, xv, acc[p][i][0]);
-        acc[p][i][1] = fmadd(b, xv, acc[p][i][1]);
-      }
-    }
+// Accumulators of lanes_rows and q4_lanes_rows: [input mod kLaneChains][row][group], so that the
+// two sum in the same order.
+template <int64_t M> using LaneAcc = Lanes16[kLaneChains][M][2];
+
+// One input's weights of the two groups (a, b) times each row's x at that input (`x` points at
+// row 0's; rows are k apart), into one chain's accumulators (`chain`: acc[input mod kLaneChains]).
+template <int64_t M>
+inline void lanes_step(Lanes16 (&chain)[M][2], const float* x, int64_t k, Lanes16 a, Lanes16 b) {
+  for (int64_t i = 0; i < M; ++i) {
+    const Lanes16 xv = Lanes16::all(x[i * k]);
+    chain[i][0] = fmadd(a, xv, chain[i][0]);
+    chain[i][1] = fmadd(b, xv, chain[i][1]);
   }
+}
+
+// The chains summed, times each channel's scale (if any), into y's groups g and g + 1.
+template <int64_t M>
+inline void lanes_store(const LaneAcc<M>& acc, const float* scale, float* y, int64_t n, int64_t g) {
   for (int64_t h = 0; h < 2; ++h) {
     for (int64_t i = 0; i < M; ++i) {
       Lanes16 sum = acc[0][i][h];
@@ -1296,6 +1295,21 @@ void lanes_rows(const float* x, const W* w, const float* scale, float* y, int64_
       sum.store(y + i * n + (g + h) * 16);
     }
   }
+}
+
+template <int64_t M, typename W>
+void lanes_rows(const float* x, const W* w, const float* scale, float* y, int64_t k, int64_t n,
+                int64_t g) {
+  const W* w0 = w + g * k * 16;
+  const W* w1 = w0 + k * 16;
+  LaneAcc<M> acc;
+  for (auto& a : acc)
+    for (auto& r : a) r[0] = r[1] = Lanes16::zero();
+  for (int64_t c = 0; c < k; c += kLaneChains)
+    for (int64_t p = 0; p < kLaneChains; ++p)
+      lanes_step<M>(acc[p], x + c + p, k, load_weights(w0 + (c + p) * 16),
+                    load_weights(w1 + (c + p) * 16));
+  lanes_store<M>(acc, scale, y, n, g);
 }
 
 // float32 weights rebuilt from GGUF's 4-bit levels (see q4_linear below for the scheme): rows of
@@ -1310,7 +1324,7 @@ void q4_lanes_rows(const float* x, const uint8_t* w, float* y, int64_t k, int64_
   const int64_t block_bytes = k / 32 * kQ4GroupBytes;
   const uint8_t* w0 = w + g * block_bytes;
   const uint8_t* w1 = w0 + block_bytes;
-  Lanes16 acc[kLaneChains][M][2];  // as lanes_rows: [input mod kLaneChains][row][group]
+  LaneAcc<M> acc;
   for (auto& a : acc)
     for (auto& r : a) r[0] = r[1] = Lanes16::zero();
   for (int64_t b = 0; b < k / 32; ++b) {
@@ -1323,24 +1337,12 @@ void q4_lanes_rows(const float* x, const uint8_t* w, float* y, int64_t k, int64_
       Lanes16 q0[2], q1[2];  // levels of inputs 2 s and 2 s + 1
       Lanes16::load_nibbles(b0 + 64 + 16 * s, q0[0], q0[1]);
       Lanes16::load_nibbles(b1 + 64 + 16 * s, q1[0], q1[1]);
-      for (int64_t e = 0; e < 2; ++e) {
-        const int64_t c = 32 * b + 2 * s + e, p = c % kLaneChains;
-        const Lanes16 a = fmadd(q0[e], d0, m0), bw = fmadd(q1[e], d1, m1);
-        for (int64_t i = 0; i < M; ++i) {
-          const Lanes16 xv = Lanes16::all(x[i * k + c]);
-          acc[p][i][0] = fmadd(a, xv, acc[p][i][0]);
-          acc[p][i][1] = fmadd(bw, xv, acc[p][i][1]);
-        }
-      }
+      for (int64_t e = 0; e < 2; ++e)  // input 32 b + 2 s + e, an even one first
+        lanes_step<M>(acc[e % kLaneChains], x + 32 * b + 2 * s + e, k, fmadd(q0[e], d0, m0),
+                      fmadd(q1[e], d1, m1));
     }
   }
-  for (int64_t h = 0; h < 2; ++h) {
-    for (int64_t i = 0; i < M; ++i) {
-      Lanes16 sum = acc[0][i][h];
-      for (int64_t p = 1; p < kLaneChains; ++p) sum = sum + acc[p][i][h];
-      sum.store(y + i * n + (g + h) * 16);
-    }
-  }
+  lanes_store<M>(acc, nullptr, y, n, g);
 }
 
 template <int64_t M>
