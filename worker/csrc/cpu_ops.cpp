@@ -1420,24 +1420,35 @@ void check_lanes_input(const Tensor& x, const Tensor& w, int64_t k, const char* 
               name, ": x float32 or bfloat16");
 }
 
+// The shared frame of the lanes matmuls: x in float32, y `[M, N]` float32 filled by
+// `rows_fn(rows, x_rows, y_rows, g)` for each tile of rows and pair of channel groups (see
+// for_lane_tiles), returned in x's dtype.
+template <class RowsFn>
+Tensor lanes_matmul(const Tensor& x, int64_t n, RowsFn&& rows_fn) {
+  const int64_t k = x.size(1), m = x.size(0);
+  const Tensor xf = x.to(at::kFloat);
+  Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for_lane_tiles(m, n, [&](auto rows, int64_t i0, int64_t g) {
+    rows_fn(rows, xp + i0 * k, yp + i0 * n, g);
+  });
+  return y.to(x.scalar_type());
+}
+
 Tensor int8_linear(const Tensor& x, const Tensor& w, const Tensor& scale) {
   TORCH_CHECK(w.dim() == 3 && w.size(2) == 16 && w.scalar_type() == at::kChar,
               "int8_linear: w [N/16, K, 16] int8");
-  const int64_t k = w.size(1), n = w.size(0) * 16, m = x.size(0);
+  const int64_t k = w.size(1), n = w.size(0) * 16;
   check_lanes_input(x, w, k, "int8_linear");
   check_cpu_contiguous(scale, "int8_linear scale");
   TORCH_CHECK(n % 32 == 0 && scale.scalar_type() == at::kFloat && scale.numel() == n,
               "int8_linear: N a multiple of 32 and float32 scale [N]");
-  const Tensor xf = x.to(at::kFloat);
-  Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
-  const float* xp = xf.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  for_lane_tiles(m, n, [&](auto rows, int64_t i0, int64_t g) {
-    lanes_rows<decltype(rows)::value>(xp + i0 * k, wp, sp, yp + i0 * n, k, n, g);
+  return lanes_matmul(x, n, [&](auto rows, const float* xr, float* yr, int64_t g) {
+    lanes_rows<decltype(rows)::value>(xr, wp, sp, yr, k, n, g);
   });
-  return y.to(x.scalar_type());
 }
 
 // float32 weights in the lanes layout: where the engine serves float32, oneDNN's prepacked
@@ -1446,19 +1457,13 @@ Tensor int8_linear(const Tensor& x, const Tensor& w, const Tensor& scale) {
 Tensor f32_linear(const Tensor& x, const Tensor& w) {
   TORCH_CHECK(w.dim() == 3 && w.size(2) == 16 && w.scalar_type() == at::kFloat,
               "f32_linear: w [N/16, K, 16] float32");
-  const int64_t k = w.size(1), n = w.size(0) * 16, m = x.size(0);
+  const int64_t k = w.size(1), n = w.size(0) * 16;
   check_lanes_input(x, w, k, "f32_linear");
   TORCH_CHECK(n % 32 == 0, "f32_linear: N a multiple of 32");
-  const Tensor xf = x.to(at::kFloat);
-  Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
-  const float* xp = xf.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  for_lane_tiles(m, n, [&](auto rows, int64_t i0, int64_t g) {
-    lanes_rows<decltype(rows)::value>(xp + i0 * k, wp, static_cast<const float*>(nullptr),
-                                      yp + i0 * n, k, n, g);
+  return lanes_matmul(x, n, [&](auto rows, const float* xr, float* yr, int64_t g) {
+    lanes_rows<decltype(rows)::value>(xr, wp, static_cast<const float*>(nullptr), yr, k, n, g);
   });
-  return y.to(x.scalar_type());
 }
 
 // y = x W^T for x `[M, K]` float32 or bfloat16 against W's 4-bit levels `packed`
@@ -1468,18 +1473,13 @@ Tensor q4_lanes_linear(const Tensor& x, const Tensor& packed) {
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kQ4GroupBytes &&
               packed.scalar_type() == at::kByte,
               "q4_lanes_linear: packed weight [N/16, K/32, ", kQ4GroupBytes, "] uint8");
-  const int64_t k = packed.size(1) * 32, n = packed.size(0) * 16, m = x.size(0);
+  const int64_t k = packed.size(1) * 32, n = packed.size(0) * 16;
   check_lanes_input(x, packed, k, "q4_lanes_linear");
   TORCH_CHECK(n % 32 == 0, "q4_lanes_linear: N a multiple of 32");
-  const Tensor xf = x.to(at::kFloat);
-  Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
-  const float* xp = xf.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  for_lane_tiles(m, n, [&](auto rows, int64_t i0, int64_t g) {
-    q4_lanes_rows<decltype(rows)::value>(xp + i0 * k, wp, yp + i0 * n, k, n, g);
+  return lanes_matmul(x, n, [&](auto rows, const float* xr, float* yr, int64_t g) {
+    q4_lanes_rows<decltype(rows)::value>(xr, wp, yr, k, n, g);
   });
-  return y.to(x.scalar_type());
 }
 
 Tensor int4_linear(const Tensor& x, const Tensor& w, const Tensor& scale_min) {
