@@ -186,8 +186,9 @@ class AttentionBackend:
     """How attention runs: RoPE, K/V writes, decode and prefill attention, key rotation.
 
     Subclasses implement the five primitives; `attend`, `forward` and `shift_request_kv` are
-    written once on top of them (a subclass may fuse them). Pool layouts: `k_pool [Hkv, num_blocks, D, BS]` (keys transposed within a
-    block), `v_pool [Hkv, num_blocks, BS, D]`.
+    written once on top of them (a subclass may fuse them). Pool layouts:
+    `k_pool [Hkv, num_blocks, D, BS]` (keys transposed within a block),
+    `v_pool [Hkv, num_blocks, BS, D]`.
     """
 
     name = "abstract"

@@ -265,14 +265,13 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, Weights]:
         name = _hf_name(t.name)
         if name is None:
             continue  # e.g. rope_freqs, which plain Llama does not use
+        tensors = {name: arr}
         q4 = _q4_levels(t) if name.endswith("_proj.weight") else None
         if q4 is not None:
             # Q4_0's d (q - 8) is -0.0 at q = 8 where d < 0; as d q + m (the levels' kernel) it
             # is +0.0. Adding zero makes the weight's zeros positive, so the two agree bit for
             # bit (worker.linear checks) and nothing else changes.
-            arr = arr + np.float32(0)
-        tensors = {name: arr}
-        if q4 is not None:
+            tensors[name] = arr + np.float32(0)
             prefix = name.removesuffix(".weight")
             tensors[prefix + Q4_LEVELS], tensors[prefix + Q4_SCALE_MIN] = q4
         for key, a in tensors.items():
