@@ -74,11 +74,15 @@ def worker_env(threads: int | None) -> dict[str, str]:
 
     OpenMP threads that spin for long while another process needs the core slowed small matmuls
     5-17x here; never spinning (`OMP_WAIT_POLICY=PASSIVE`) cost 40% of W64 throughput (240 -> 143
-    tokens/s in-process) because every op then wakes sleeping threads. A short spin before
-    sleeping (`GOMP_SPINCOUNT`, libgomp's, which torch uses) keeps most of both.
+    tokens/s in-process) because every op then wakes sleeping threads. A bounded spin before
+    sleeping (`GOMP_SPINCOUNT`, libgomp's, which torch uses; its default is 300,000) keeps most
+    of both. 100,000 against 10,000 through `shoal up` on a 2-core Zen 4 (session 21, fleets in
+    turns): a 400-token stream 90.6-99.8 against 74.9-90.3 tokens/s, W64 221.6-235.0 against
+    214.8-228.0; with two workers, streams 102.0-104.5 against 84.2-96.2 and W64 150.7-215.1
+    against 152.4-171.0 (noisy).
     """
     env = dict(os.environ)
-    env.setdefault("GOMP_SPINCOUNT", "10000")
+    env.setdefault("GOMP_SPINCOUNT", "100000")
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
