@@ -38,12 +38,15 @@ def test_worker_killed_mid_stream_costs_recomputation_not_tokens(fleet, oracle, 
     try:
         prompt = "The history of the fishing fleet began"
         ids = tokenizer.encode(prompt, add_special_tokens=False)
-        expected = tokenizer.decode(oracle(ids, 60), skip_special_tokens=True)
+        # Long enough that the request still runs a heartbeat (1 s) after its 10th token at any
+        # speed the worker reaches here (60 tokens once ended before the heartbeat showed it).
+        n = 240
+        expected = tokenizer.decode(oracle(ids, n), skip_special_tokens=True)
         import websockets.sync.client as wsc
 
         tokens, indexes = [], []
         with wsc.connect(fleet["url"].replace("http", "ws") + "/v1/stream") as ws:
-            ws.send(json.dumps({"prompt": prompt, "max_tokens": 60, "temperature": 0,
+            ws.send(json.dumps({"prompt": prompt, "max_tokens": n, "temperature": 0,
                                 "ignore_eos": True}))
             while True:
                 m = json.loads(ws.recv(timeout=120))
@@ -64,7 +67,7 @@ def test_worker_killed_mid_stream_costs_recomputation_not_tokens(fleet, oracle, 
                 else:
                     assert m["type"] == "done", m
                     break
-        assert indexes == list(range(60))
+        assert indexes == list(range(n))
         assert "".join(m["text"] for m in tokens) == expected
     finally:
         if victim.poll() is None:
