@@ -173,6 +173,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -374,9 +375,6 @@ def pack_int8_quads(q: torch.Tensor, scale: torch.Tensor, swiglu: bool
     return (on_huge_pages(packed), scale.contiguous(), q.sum(dim=1, dtype=torch.int32))
 
 
-Q4_GROUP_BYTES = 64 + 16 * 16  # 32 inputs x 16 channels: pack_q4_pairs, pack_q4_lanes
-
-
 def q4_weight(levels: torch.Tensor, scale_min: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The weight GGUF's 4-bit levels stand for, as the loader builds it: `levels` `[N, K]` uint8
     (0-15), `scale_min` `[N, K / 32, 2]` float16 (each group's d and m) -> `[N, K]` in `dtype`,
@@ -395,7 +393,7 @@ def pack_q4_pairs(levels: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor
         scale_min: `[N, K / 32, 2]` float16, each group's scale d and minimum m (Q4_0: m = -8 d).
 
     Returns:
-        `[N / 16, K / 32, Q4_GROUP_BYTES]` uint8: per block of 16 channels and group of 32
+        `[N / 16, K / 32, 320]` uint8: per block of 16 channels and group of 32
         inputs, d[16] and m[16], then 16 steps of 16 bytes, byte j of step s holding channel
         j // 2's level at input 2 s + j % 2 (low nibble) and channel 8 + j // 2's (high).
     """
@@ -608,7 +606,8 @@ class Linear:
             self.weight = None
 
     def _pack_q4(self, weight: torch.Tensor, levels: torch.Tensor, scale_min: torch.Tensor,
-                 pack) -> torch.Tensor | None:
+                 pack: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                 ) -> torch.Tensor | None:
         """The levels packed by `pack`, or None (logged) where they do not give back the weight
         to the bit: the kernel's result would then differ from the unquantized one's."""
         bits = torch.int16 if weight.dtype == torch.bfloat16 else torch.int32

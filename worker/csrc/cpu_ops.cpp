@@ -1318,7 +1318,6 @@ void lanes_rows(const float* x, const W* w, const float* scale, float* y, int64_
 // `w` is q4_lanes_linear's layout: per 16-channel group and 32 inputs, d[16] and m[16] float16,
 // then 16 vectors of 16 bytes, byte j of vector s holding channel j's levels at inputs 2 s (low
 // nibble) and 2 s + 1 (high).
-
 template <int64_t M>
 void q4_lanes_rows(const float* x, const uint8_t* w, float* y, int64_t k, int64_t n, int64_t g) {
   const int64_t block_bytes = k / 32 * kQ4GroupBytes;
