@@ -388,7 +388,7 @@ def test_q4_linear_gives_dp_linears_bits_from_4_bit_levels(out_features, in_feat
 
 @pytest.mark.skipif(not ops.lanes_linear_available(), reason="the lanes kernels are not built here")
 @pytest.mark.parametrize(("out_features", "in_features", "q4_0"),
-                         [(32, 64, False), (960, 576, True)])
+                         [(32, 64, False), (96, 128, False), (960, 576, True)])
 def test_q4_lanes_linear_gives_f32_linears_bits_from_4_bit_levels(out_features, in_features,
                                                                   q4_0):
     """The float32 counterpart: shoal::q4_lanes_linear equals f32_linear over the float32 weight
@@ -397,7 +397,7 @@ def test_q4_lanes_linear_gives_f32_linears_bits_from_4_bit_levels(out_features, 
     levels, scale_min = _random_q4_levels(out_features, in_features, g, q4_0)
     w = q4_weight(levels, scale_min, torch.float32)
     packed, lanes = pack_q4_lanes(levels, scale_min), pack_lanes(w)
-    for rows in (1, 2, 3, 4, 5, 9, 33):
+    for rows in (1, 2, 3, 4, 5, 6, 8, 9, 33):  # (AVX2: every tile shape, and chunks of 4 rows)
         x = torch.randn(rows, in_features, generator=g)
         y = torch.ops.shoal.q4_lanes_linear(x, packed)
         assert torch.equal(y.view(torch.int32), torch.ops.shoal.f32_linear(x, lanes).view(torch.int32))

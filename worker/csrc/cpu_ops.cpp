@@ -1312,6 +1312,7 @@ void lanes_rows(const float* x, const W* w, const float* scale, float* y, int64_
   lanes_store<M>(acc, scale, y, n, g);
 }
 
+#if defined(__AVX512F__)
 // float32 weights rebuilt from GGUF's 4-bit levels (see q4_linear below for the scheme): rows of
 // x against channel groups g and g + 1, with lanes_rows' chains and order, so the result is
 // f32_linear's to the bit (d q + m is exact in one FMA, as the loader's float32 weight is).
@@ -1343,6 +1344,79 @@ void q4_lanes_rows(const float* x, const uint8_t* w, float* y, int64_t k, int64_
   }
   lanes_store<M>(acc, nullptr, y, n, g);
 }
+
+#else
+// The AVX2 form of q4_lanes_rows. 16 ymm registers cannot hold its accumulators, the two
+// groups' d and m and the levels being widened at once: GCC spilled accumulators to the stack,
+// a store and a reload on every multiply-add chain. Here a block's d and m are widened once into
+// a small buffer that the weight-rebuilding multiply-adds read as memory operands, so registers
+// hold the accumulators -- M rows x G groups x 2 halves, at most 8, what two FMA pipes of 4
+// cycles' latency need in flight -- and the levels being widened. Each channel's chain runs over
+// its inputs in order from zero, as f32_linear's (kLaneChains = 1 on AVX2): the same bits.
+// SmolLM2's 120 projections on a 2-core Zen 3, ms, against q4_lanes_rows: 1 row 8.4 / 8.7,
+// 2 rows 9.3 / 10.2, 4 rows 12.5 / 19.1, 8 rows 30 / 42 (docs/benchmarks.md, session 22).
+template <int64_t M, int64_t G>
+void q4_lanes_tile(const float* x, const uint8_t* w, float* y, int64_t k, int64_t n, int64_t g) {
+  static_assert(M * G * 2 <= 8, "accumulators beyond 8 ymm registers spill");
+  const int64_t nb = k / 32, group_bytes = nb * kQ4GroupBytes;
+  const __m256i low = _mm256_set1_epi32(15);
+  alignas(32) float dm[G][2][16];  // [group][d, m][channel]: the block's, widened
+  // The loops over rows, groups and halves are unrolled outright (pragmas), so that acc is
+  // indexed by constants only and lives in registers rather than in a stack array.
+  __m256 acc[M][G][2];
+#pragma GCC unroll 8
+  for (auto& r : acc)
+    for (auto& h : r) h[0] = h[1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk[G];
+#pragma GCC unroll 8
+    for (int64_t h = 0; h < G; ++h) {
+      blk[h] = w + (g + h) * group_bytes + b * kQ4GroupBytes;
+#pragma GCC unroll 4
+      for (int64_t t = 0; t < 4; ++t)
+        _mm256_store_ps(&dm[h][t / 2][8 * (t % 2)],
+                        _mm256_cvtph_ps(_mm_loadu_si128(
+                            reinterpret_cast<const __m128i*>(blk[h] + 16 * t))));
+    }
+    const float* xb = x + 32 * b;
+#pragma GCC unroll 1
+    for (int64_t s = 0; s < 16; ++s) {
+      // d and m are read from memory at every step: GCC would otherwise hoist them into
+      // registers, pushing the accumulators out. The empty asm hides that the pointer is fixed.
+      const float* dmp = &dm[0][0][0];
+      asm("" : "+r"(dmp));
+#pragma GCC unroll 8
+      for (int64_t h = 0; h < G; ++h) {
+        const uint8_t* p = blk[h] + 64 + 16 * s;
+        const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+        const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+        // [input 2 s + e][channels 0-7, 8-15]: low nibbles, then high
+        const __m256i q[2][2] = {{_mm256_and_si256(a, low), _mm256_and_si256(c, low)},
+                                 {_mm256_srli_epi32(a, 4), _mm256_srli_epi32(c, 4)}};
+#pragma GCC unroll 2
+        for (int64_t e = 0; e < 2; ++e)
+#pragma GCC unroll 2
+          for (int64_t half = 0; half < 2; ++half) {
+            const __m256 wv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[e][half]),
+                                              _mm256_load_ps(dmp + 32 * h + 8 * half),
+                                              _mm256_load_ps(dmp + 32 * h + 16 + 8 * half));
+#pragma GCC unroll 8
+            for (int64_t i = 0; i < M; ++i)
+              acc[i][h][half] = _mm256_fmadd_ps(wv, _mm256_broadcast_ss(xb + i * k + 2 * s + e),
+                                                acc[i][h][half]);
+          }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int64_t i = 0; i < M; ++i)
+#pragma GCC unroll 8
+    for (int64_t h = 0; h < G; ++h)
+#pragma GCC unroll 2
+      for (int64_t half = 0; half < 2; ++half)
+        _mm256_storeu_ps(y + i * n + (g + h) * 16 + 8 * half, acc[i][h][half]);
+}
+#endif
 
 template <int64_t M>
 void int4_lanes_rows(const float* x, const float* x_sum, const uint8_t* w, const uint16_t* sm,
@@ -1465,6 +1539,36 @@ Tensor f32_linear(const Tensor& x, const Tensor& w) {
   });
 }
 
+#if !defined(__AVX512F__)
+// Groups a q4_lanes_tile of M rows takes (as many as keep 8 accumulators).
+template <int64_t M> constexpr int64_t kQ4TileGroups = M == 1 ? 4 : M == 2 ? 2 : 1;
+
+// q4_lanes_linear's work on AVX2: each thread takes a contiguous run of channel-group pairs,
+// walks it 4 groups (64 channels) at a time and, within those, every chunk of up to 4 rows in
+// tiles of kQ4TileGroups<rows> groups, so a chunk after the first finds the levels in cache.
+void q4_lanes_tiles(const float* x, const uint8_t* w, float* y, int64_t m, int64_t k, int64_t n) {
+  at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g0 = 2 * begin; g0 < 2 * end; g0 += 4) {
+      const int64_t g1 = std::min<int64_t>(g0 + 4, 2 * end);
+      for (int64_t i0 = 0; i0 < m; i0 += 4)
+        with_row_count<4>(std::min<int64_t>(m - i0, 4), [&](auto rows) {
+          constexpr int64_t M = decltype(rows)::value, G = kQ4TileGroups<M>;
+          const float* xr = x + i0 * k;
+          float* yr = y + i0 * n;
+          for (int64_t g = g0; g < g1; g += G) {
+            if constexpr (G == 4)
+              if (g1 - g < 4) {  // a run's last pair
+                q4_lanes_tile<M, 2>(xr, w, yr, k, n, g);
+                break;
+              }
+            q4_lanes_tile<M, G>(xr, w, yr, k, n, g);
+          }
+        });
+    }
+  });
+}
+#endif
+
 // y = x W^T for x `[M, K]` float32 or bfloat16 against W's 4-bit levels `packed`
 // `[N / 16, K / 32, kQ4GroupBytes]` uint8 (q4_lanes_rows' layout); returns `[M, N]` in x's dtype:
 // f32_linear's result over the float32 weight the levels stand for, bit for bit.
@@ -1476,9 +1580,16 @@ Tensor q4_lanes_linear(const Tensor& x, const Tensor& packed) {
   check_lanes_input(x, packed, k, "q4_lanes_linear");
   TORCH_CHECK(n % 32 == 0, "q4_lanes_linear: N a multiple of 32");
   const uint8_t* wp = packed.data_ptr<uint8_t>();
+#if defined(__AVX512F__)
   return lanes_matmul(x, n, [&](auto rows, const float* xr, float* yr, int64_t g) {
     q4_lanes_rows<decltype(rows)::value>(xr, wp, yr, k, n, g);
   });
+#else
+  const Tensor xf = x.to(at::kFloat);
+  Tensor y = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+  q4_lanes_tiles(xf.data_ptr<float>(), wp, y.data_ptr<float>(), x.size(0), k, n);
+  return y.to(x.scalar_type());
+#endif
 }
 
 Tensor int4_linear(const Tensor& x, const Tensor& w, const Tensor& scale_min) {
