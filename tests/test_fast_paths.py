@@ -101,22 +101,30 @@ def test_decoding_from_the_files_4_bit_levels_changes_no_logprob(dtype, bf16_mod
     assert runs[0] == runs[1]
 
 
-@pytest.mark.skipif(not ops.int8_gemv_available(), reason="shoal::int8_gemv is not built here")
+@pytest.mark.skipif(not (ops.int8_gemv_available() or ops.int4_q8_available()),
+                    reason="neither shoal::int8_gemv nor shoal::int4_q8_linear is built here")
 @pytest.mark.skipif(not REFERENCE_TEXT.exists(), reason=f"{REFERENCE_TEXT} is not on this machine")
-def test_greedy_rows_found_through_the_int8_lm_head_are_the_exact_argmax(bf16_model, tokenizer):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_rows_screened_through_a_low_precision_lm_head_are_the_exact_argmax(
+        dtype, bf16_model, fp32_model, tokenizer):
     """Unquantized greedy iterations of a few rows take their candidates from an int8 copy of
-    the LM head: over 512 positions of a real text and 512 of random-token contexts (flatter
-    distributions: there the exact best once ranked 12th among the int8 logits, past the 8
-    candidates first recomputed), every argmax equals float32 arithmetic's."""
+    the LM head (an int4 one on AVX2-only CPUs): over 512 positions of a real text and 512 of
+    random-token contexts (flatter distributions: there the exact best once ranked 12th among
+    the int8 logits, past the 8 candidates first recomputed), every argmax equals float32
+    arithmetic's."""
     import random
 
     import torch.nn.functional as F
 
     from worker.attention import build_metadata
 
-    engine = make_engine(bf16_model, dtype=torch.bfloat16)
+    engine = make_engine(bf16_model if dtype == torch.bfloat16 else fp32_model, dtype=dtype)
     m = engine.model
-    assert m.lm_head_int8 is not None
+    assert m.lm_head_screen is not None
+    op = m.lm_head_screen[0]
+    assert op == (torch.ops.shoal.int4_q8_linear
+                  if ops.int4_q8_available() and not ops.vnni_linear_available()
+                  else torch.ops.shoal.int8_gemv)
     rng = random.Random(0)
     texts = [tokenizer.encode(reference_text(), add_special_tokens=False)[:512],
              [rng.randrange(10, 49000) for _ in range(256)],
@@ -128,7 +136,7 @@ def test_greedy_rows_found_through_the_int8_lm_head_are_the_exact_argmax(bf16_mo
             hidden = m.forward(torch.tensor(ids), torch.arange(len(ids)), meta, engine.kv_cache)
             h = F.rms_norm(hidden, (m.cfg.hidden_size,), m.norm, m.cfg.rms_norm_eps)
             exact = (h @ m.lm_head.float().T).argmax(dim=1)
-            rows = m.LM_HEAD_INT8_MAX_ROWS
+            rows = m.LM_HEAD_SCREEN_MAX_ROWS
             lean = torch.cat([m.compute_logits(hidden[i:i + rows], full=False)[1]
                               for i in range(0, len(ids), rows)])
         assert torch.equal(lean, exact)

@@ -30,7 +30,7 @@ from worker import ops
 from worker.attention import AttentionMetadata, make_backend
 from worker.config import ModelConfig
 from worker.kv_cache import KVCache
-from worker.linear import LM_HEAD_DP_MAX_ROWS, Linear, quantize_int8
+from worker.linear import LM_HEAD_DP_MAX_ROWS, Linear, pack_int4_quads, quantize_int8
 from worker.loader import Q4_LEVELS, Q4_SCALE_MIN, Weights
 
 log = logging.getLogger(__name__)
@@ -76,11 +76,16 @@ class LlamaModel:
     # over 1,024 positions of a real text at most 5th. 64 keeps a wide margin: its top-k took
     # 25 µs against 9 for 8 (one row).
     INT8_REFINE_TOP_K = 64
-    # The most rows whose candidates the int8 LM head finds (unquantized greedy iterations).
-    # SmolLM2's head, 2-core Zen 4, ms for 1 / 2 / 4 / 5 / 6 / 8 / 12 rows: bfloat16 (dp_linear)
-    # 1.36 / 1.40 / 1.47 / 1.59 / 1.45 / 1.53 / 2.20, int8_gemv 0.36 / 0.49 / 0.89 / 1.25 / 1.29
-    # / 1.53 / 2.39. Six covers a single stream checking up to 5 speculative drafts.
-    LM_HEAD_INT8_MAX_ROWS = 6
+    # The same from the int4 copy (AVX2-only CPUs), float32: at most 18th over 2,048 random-token
+    # positions (int8 there: 12th), 9th over 2,048 of a real text (int8: 4th); twice int8's
+    # candidates keep its margin for about 0.05 ms more.
+    INT4_REFINE_TOP_K = 128
+    # The most rows whose candidates a low-precision copy of the LM head finds (unquantized
+    # greedy iterations). SmolLM2's head, 2-core Zen 4, ms for 1 / 2 / 4 / 5 / 6 / 8 / 12 rows:
+    # bfloat16 (dp_linear) 1.36 / 1.40 / 1.47 / 1.59 / 1.45 / 1.53 / 2.20, int8_gemv 0.36 / 0.49 /
+    # 0.89 / 1.25 / 1.29 / 1.53 / 2.39. Six covers a single stream checking up to 5 speculative
+    # drafts.
+    LM_HEAD_SCREEN_MAX_ROWS = 6
 
     def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int,
                  quantization: str = "none", fast_paths: bool = True,
@@ -106,16 +111,27 @@ class LlamaModel:
         self.lm_head_proj = Linear(self.lm_head, "none" if quantization == "none" else "int8",
                                    pack=fast_paths, int8_gemv=True, kernels=self.kernels,
                                    dp_max_rows=LM_HEAD_DP_MAX_ROWS)
-        # Unquantized, greedy iterations of a few rows find their candidates with an int8 copy
-        # of the LM head through `shoal::int8_gemv` and recompute them exactly (compute_logits):
-        # half the bytes of bfloat16 (a quarter of float32's), 1.36 -> 0.36 ms a row,
-        # single-stream decode +6-10% in bfloat16 and +20% in float32 (2-core Zen 4,
-        # docs/benchmarks.md session 20). Logits anyone reads stay unquantized.
-        self.lm_head_int8: tuple[torch.Tensor, ...] | None = None
-        if (quantization == "none" and self.kernels and ops.int8_gemv_available()
-                and cfg.hidden_size % 64 == 0 and (tp is None or tp.rank == 0)):  # rank 0 samples
-            q, scale = quantize_int8(self.lm_head)
-            self.lm_head_int8 = (q, scale.float(), q.sum(dim=1, dtype=torch.int32))
+        # Unquantized, greedy iterations of a few rows screen the vocabulary with a low-precision
+        # copy of the LM head and recompute the best candidates exactly (compute_logits). Logits
+        # anyone reads stay unquantized. `(op, its weight tensors, candidates per row)`:
+        # - int8 through `shoal::int8_gemv`: half the bytes of bfloat16 (a quarter of float32's),
+        #   1.36 -> 0.36 ms a row, single-stream decode +6-10% in bfloat16 and +20% in float32
+        #   (2-core Zen 4, docs/benchmarks.md session 20);
+        # - int4 through `shoal::int4_q8_linear` on AVX2-only CPUs, where reading the int8 copy
+        #   is the bound: 1.38 -> 0.55 ms a row, 1.99 -> 1.24 at 4 (2-core Zen 3, session 22).
+        #   Where VNNI is built the two took the same time (Zen 4, session 21): int8 there.
+        self.lm_head_screen: tuple[object, tuple[torch.Tensor, ...], int] | None = None
+        if (quantization == "none" and self.kernels and cfg.hidden_size % 64 == 0
+                and (tp is None or tp.rank == 0)):  # rank 0 samples
+            if ops.int4_q8_available() and not ops.vnni_linear_available():
+                self.lm_head_screen = (torch.ops.shoal.int4_q8_linear,
+                                       pack_int4_quads(self.lm_head.float()),
+                                       self.INT4_REFINE_TOP_K)
+            elif ops.int8_gemv_available():
+                q, scale = quantize_int8(self.lm_head)
+                self.lm_head_screen = (torch.ops.shoal.int8_gemv,
+                                       (q, scale.float(), q.sum(dim=1, dtype=torch.int32)),
+                                       self.INT8_REFINE_TOP_K)
 
         def linear(*names: str, quantize_activations: bool = False, swiglu: bool = False) -> Linear:
             # GGUF's 4-bit levels where every part has them (worker.loader, worker.linear).
@@ -222,31 +238,34 @@ class LlamaModel:
         Args:
             hidden: `[num_sampling_rows, hidden]` float32 rows of `forward`'s output.
             full: return the float32 logits; without them (greedy rows that want no logprobs)
-                only the argmax is made, and iterations of up to LM_HEAD_INT8_MAX_ROWS rows take
-                their candidates from the int8 copy of the LM head (`lm_head_int8`). Widening 64 rows of bfloat16 logits to float32 writes 12
-                MB, which cost about 1 ms an iteration (62 ms of a W64 run, page faults of the
-                fresh buffer included).
+                only the argmax is made, and iterations of up to LM_HEAD_SCREEN_MAX_ROWS rows
+                take their candidates from a low-precision copy of the LM head
+                (`lm_head_screen`). Widening 64 rows of bfloat16 logits to float32 writes 12 MB,
+                which cost about 1 ms an iteration (62 ms of a W64 run, page faults of the fresh
+                buffer included).
 
         Returns:
             `[num_sampling_rows, vocab_size]` float32 logits (None unless `full`), and
             `[num_sampling_rows]` int64 the argmax of each row (what greedy sampling picks).
         """
         h = F.rms_norm(hidden, (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps)
-        candidates = (not full and self.lm_head_int8 is not None
-                      and h.shape[0] <= self.LM_HEAD_INT8_MAX_ROWS)
-        if candidates:
-            logits = torch.ops.shoal.int8_gemv(h.to(self.dtype), *self.lm_head_int8)
+        screen = (self.lm_head_screen if not full and h.shape[0] <= self.LM_HEAD_SCREEN_MAX_ROWS
+                  else None)
+        if screen is not None:
+            op, weights, _ = screen
+            logits = op(h.to(self.dtype), *weights)
         else:
             logits = self.lm_head_proj(h.to(self.dtype))
-        if self.dtype == torch.float32 and self.lm_head_proj.quantized is None and not candidates:
+        if self.dtype == torch.float32 and self.lm_head_proj.quantized is None and screen is None:
             return (logits if full else None), ops.topk_rows(logits, 1, self.kernels)[1][:, 0]
         # A bfloat16 matmul rounds its output to bfloat16: at a logit of 25 the step is 0.125,
         # enough to tie or swap the two best tokens (int8 weights and activations err more).
         # Recompute each row's best candidates exactly (float32 activations against the
         # unquantized weights) so greedy picks the argmax float32 arithmetic would pick. Cost: a
         # top-k and `rows * REFINE_TOP_K` dot products.
-        k = self.INT8_REFINE_TOP_K if candidates else self.REFINE_TOP_K
+        k = screen[2] if screen is not None else self.REFINE_TOP_K
         idx = ops.topk_rows(logits, k, self.kernels)[1]  # [rows, k]
-        exact = torch.einsum("rd,rkd->rk", h, self.lm_head[idx].float())
+        rows = self.lm_head.index_select(0, idx.view(-1)).view(*idx.shape, -1)
+        exact = torch.einsum("rd,rkd->rk", h, rows.float())
         argmax = idx.gather(1, exact.argmax(dim=1, keepdim=True))[:, 0]
         return (logits.float().scatter_(1, idx, exact) if full else None), argmax
