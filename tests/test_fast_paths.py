@@ -10,8 +10,10 @@ import torch
 
 from shoal.messages import NewRequest
 from shoal.sampling_params import SamplingParams
-from tests.conftest import make_engine
+from tests.conftest import make_engine, random_weights, tiny_config
 from worker import cpu_ops, ops
+from worker.config import EngineConfig
+from worker.engine import Engine
 from worker.loader import Q4_LEVELS, Q4_SCALE_MIN, load_model
 from worker.offline import generate
 from worker.perplexity import (
@@ -99,6 +101,73 @@ def test_decoding_from_the_files_4_bit_levels_changes_no_logprob(dtype, bf16_mod
         out.update(generate(engine, [dataclasses.replace(reqs[0], request_id="alone")]))
         runs.append({r: (c.token_ids, c.logprobs) for r, c in out.items()})
     assert runs[0] == runs[1]
+
+
+def _q4_model(dtype: torch.dtype):
+    """A small random Llama (head_dim 64, 3 query heads a K/V head, as SmolLM2) whose every
+    projection carries GGUF 4-bit levels that give back its weight, as the loader's do."""
+    from worker.linear import q4_weight
+
+    cfg = tiny_config(hidden_size=192, intermediate_size=256, num_heads=3, num_kv_heads=1,
+                      head_dim=64, num_layers=3)
+    weights = random_weights(cfg, seed=3)
+    g = torch.Generator().manual_seed(4)
+    for name in [n for n in weights if n.endswith("_proj.weight")]:
+        out_features, in_features = weights[name].shape
+        levels = torch.randint(0, 16, (out_features, in_features), generator=g, dtype=torch.uint8)
+        d = (torch.rand(out_features, in_features // 32, generator=g) * 0.02 + 1e-3).half()
+        m = (torch.randn(d.shape, generator=g) * 0.1).half()
+        scale_min = torch.stack([d, m], dim=-1)
+        prefix = name.removesuffix(".weight")
+        weights[name] = q4_weight(levels, scale_min, torch.float32)
+        weights[prefix + Q4_LEVELS], weights[prefix + Q4_SCALE_MIN] = levels, scale_min
+    return cfg, {n: (w.to(dtype) if w.is_floating_point() and not n.endswith(Q4_SCALE_MIN) else w)
+                 for n, w in weights.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_stack_gives_the_layer_loops_bits(dtype):
+    """Iterations of a few rows run every layer in one call (shoal::decode_stack) where every
+    projection reads the 4-bit levels: decodes and a prefill chunk mixed, the last layer's
+    hidden states (all rows, and the sampling rows alone) equal the Python loop's to the bit."""
+    from worker.attention import build_metadata
+
+    cfg, weights = _q4_model(dtype)
+    engine = Engine(cfg, weights, EngineConfig(dtype=dtype, block_size=16, kv_cache_bytes=64 << 20))
+    m = engine.model
+    if m.stack_weights is None:
+        pytest.skip(f"no 4-bit levels kernel for {dtype} on this CPU")
+    assert m.stack_max_rows >= 5 and m.stack_pairs == (dtype == torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    alloc, bs = engine.kv_cache.allocator, engine.block_size
+    tables = [alloc.allocate(engine.blocks_for_tokens(40)) for _ in range(3)]
+
+    def run(ids, positions, meta, rows=None):
+        outs = []
+        for stack in (m.stack_weights, None):
+            saved, m.stack_weights = m.stack_weights, stack
+            try:
+                with torch.inference_mode():
+                    outs.append(m.forward(torch.tensor(ids), positions, meta, engine.kv_cache,
+                                          rows))
+            finally:
+                m.stack_weights = saved
+        assert torch.equal(outs[0], outs[1])
+        return outs[0]
+
+    for t in tables:  # 17 tokens each, in chunks of 5, 5, 5 and 2
+        for start in range(0, 17, 5):
+            n = min(5, 17 - start)
+            ids = torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist()
+            run(ids, torch.arange(start, start + n), build_metadata([], [], [(t, start, n)], bs))
+    # two decodes at position 17 and a 3-token chunk of the third request
+    ids = torch.randint(2, cfg.vocab_size, (5,), generator=g).tolist()
+    positions = torch.tensor([17, 17, 17, 18, 19])
+    meta = build_metadata(tables[:2], [18, 18], [(tables[2], 17, 3)], bs)
+    assert run(ids, positions, meta).shape == (5, cfg.hidden_size)
+    assert run(ids, positions, meta, torch.tensor([0, 1, 4])).shape == (3, cfg.hidden_size)
+    for t in tables:
+        alloc.free(t)
 
 
 @pytest.mark.skipif(not (ops.int8_gemv_available() or ops.int4_q8_available()),

@@ -165,6 +165,28 @@ class LlamaModel:
                         "iterations of a few rows, as under int8)", str(self.dtype).removeprefix("torch."))
         self.cos_sin = ops.rope_cos_sin(cfg.rope_theta, cfg.head_dim, max_positions).to(self.device)
         self.scale = cfg.head_dim**-0.5
+        # Iterations of up to `stack_max_rows` rows run every layer in one call where every
+        # projection serves them from the 4-bit levels (`shoal::decode_stack`): the kernels of
+        # the loop in `forward`, in its order (the same bits), without the ~270 calls a step
+        # makes from Python otherwise. `stack_weights`: per layer the attention norm, QKV, O,
+        # MLP norm, gate/up and down.
+        self.stack_weights: list[torch.Tensor] | None = None
+        self.stack_pairs = False  # q4_linear (bfloat16) rather than q4_lanes_linear (float32)
+        self.stack_max_rows = 0
+        linears = [lin for layer in self.layers
+                   for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if (self.kernels and tp is None and hasattr(torch.ops.shoal, "decode_stack")
+                and getattr(self.attention, "cpu_kernels", False)
+                and all(lin.q4 is not None for lin in linears)):
+            lanes = all(lin.q4_lanes for lin in linears)
+            pairs = (not any(lin.q4_lanes for lin in linears)
+                     and all(layer.gate_up.swiglu_pairs for layer in self.layers))
+            if lanes or pairs:
+                self.stack_weights = [t for layer in self.layers
+                                      for t in (layer.attn_norm, layer.qkv.q4, layer.o.q4,
+                                                layer.mlp_norm, layer.gate_up.q4, layer.down.q4)]
+                self.stack_pairs = pairs
+                self.stack_max_rows = min(lin.q4_max_rows for lin in linears)
 
     def levels_served(self) -> tuple[int, int, int]:
         """Projections whose few-row iterations read the GGUF file's 4-bit levels
@@ -199,6 +221,12 @@ class LlamaModel:
         cfg = self.cfg
         eps, dt, kern = cfg.rms_norm_eps, self.dtype, self.kernels
         x = F.embedding(input_ids, self.embed).float()  # the residual stream, float32
+        if self.stack_weights is not None and x.shape[0] <= self.stack_max_rows:
+            torch.ops.shoal.decode_stack(x, self.stack_weights, kv_cache.k, kv_cache.v, positions,
+                                         self.cos_sin, meta.slot_mapping, *meta.seq_arrays,
+                                         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, eps,
+                                         self.scale, self.stack_pairs)
+            return x if output_rows is None else x[output_rows]
         delta = None  # the last sublayer's output, added to x by the next fused add + norm
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):

@@ -2528,6 +2528,60 @@ Tensor vnni_linear(const Tensor& x_in, const Tensor& row_scale, const Tensor& pa
 #endif
 #endif
 
+#if defined(SHOAL_LANES) || defined(SHOAL_BF16_PAIRS)
+// ---------------------------------------------------------------------------------------------
+// Every layer of an iteration of a few rows in one call, where every projection reads GGUF's
+// 4-bit levels (worker/model.py's `forward` loop, the same kernels in the same order: the same
+// bits). A decode step of SmolLM2 otherwise makes about 270 op calls from Python, each paying
+// the interpreter and the dispatcher (worker/model.py, LlamaModel.forward).
+//   x        [n, hidden] float32, the residual stream after the embedding; on return, the last
+//            layer's output (before the final RMSNorm), written in place.
+//   weights  per layer: attention RMSNorm weight, packed QKV, packed O, MLP RMSNorm weight,
+//            packed gate/up, packed down (q4_lanes_linear's layout, or with `pairs` q4_linear's,
+//            gate and up blocks interleaved).
+// ---------------------------------------------------------------------------------------------
+void decode_stack(Tensor x, at::TensorList weights, at::TensorList k_pools,
+                    at::TensorList v_pools, const Tensor& positions, const Tensor& cos_sin,
+                    const Tensor& slot_mapping, const Tensor& block_tables,
+                    const Tensor& query_start_loc, const Tensor& seq_lens, int64_t num_heads,
+                    int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool pairs) {
+  constexpr size_t kPerLayer = 6;
+  const size_t layers = k_pools.size();
+  TORCH_CHECK(weights.size() == kPerLayer * layers && v_pools.size() == layers,
+              "decode_stack: 6 weights and a K and V pool per layer");
+#ifndef SHOAL_BF16_PAIRS
+  TORCH_CHECK(!pairs, "decode_stack: q4_linear is not built on this CPU");
+#endif
+#ifndef SHOAL_LANES
+  TORCH_CHECK(pairs, "decode_stack: q4_lanes_linear is not built on this CPU");
+#endif
+  const at::ScalarType dtype = pairs ? at::kBFloat16 : at::kFloat;
+  const auto linear = [&](const Tensor& in, const Tensor& packed, bool silu) -> Tensor {
+#ifdef SHOAL_BF16_PAIRS
+    if (pairs) return q4_linear(in, packed, silu);
+#endif
+#ifdef SHOAL_LANES
+    if (!pairs) {
+      Tensor y = q4_lanes_linear(in, packed);
+      return silu ? silu_and_mul(y) : y;
+    }
+#endif
+    TORCH_CHECK(false, "unreachable");
+  };
+  c10::optional<Tensor> delta;
+  for (size_t l = 0; l < layers; ++l) {
+    const Tensor* w = weights.data() + kPerLayer * l;
+    Tensor h = add_rms_norm(x, delta, w[0], eps, dtype);
+    const Tensor a = attend_qkv(linear(h, w[1], false), positions, cos_sin, k_pools[l],
+                                v_pools[l], slot_mapping, block_tables, query_start_loc, seq_lens,
+                                num_heads, num_kv_heads, head_dim, scale);
+    h = add_rms_norm(x, linear(a, w[2], false), w[3], eps, dtype);
+    delta = linear(linear(h, w[4], true), w[5], false);
+  }
+  if (delta) x.add_(*delta);
+}
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY(shoal, m) {
@@ -2559,6 +2613,12 @@ TORCH_LIBRARY(shoal, m) {
   m.def("attend_qkv(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, Tensor(b!) k_pool, "
         "Tensor(c!) v_pool, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
         "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float scale) -> Tensor");
+#if defined(SHOAL_LANES) || defined(SHOAL_BF16_PAIRS)
+  m.def("decode_stack(Tensor(a!) x, Tensor[] weights, Tensor[] k_pools, Tensor[] v_pools, "
+        "Tensor positions, Tensor cos_sin, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor query_start_loc, Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, "
+        "float eps, float scale, bool pairs) -> ()");
+#endif
 #ifdef SHOAL_BF16_PAIRS
   m.def("pack_weight_pairs(Tensor weight) -> Tensor");
   m.def("dp_linear(Tensor x, Tensor packed) -> Tensor");
@@ -2596,6 +2656,9 @@ TORCH_LIBRARY_IMPL(shoal, CPU, m) {
   m.impl("topk_rows", &topk_rows);
   m.impl("rope_", &rope_);
   m.impl("attend_qkv", &attend_qkv);
+#if defined(SHOAL_LANES) || defined(SHOAL_BF16_PAIRS)
+  m.impl("decode_stack", &decode_stack);
+#endif
 #ifdef SHOAL_BF16_PAIRS
   m.impl("pack_weight_pairs", &pack_weight_pairs);
   m.impl("dp_linear", &dp_linear);
