@@ -81,6 +81,8 @@ def test_bench_engine_quick_writes_its_json(tmp_path):
     assert levels["of"] == 120 and levels["projections"] in (0, 120)
     if figures["cpu_kernels"] and figures["avx512_bf16"] and not figures["amx"]:
         assert levels["projections"] == 120 and levels["max_rows"] >= 8
+    # Where every projection reads the levels, few-row iterations run all layers in one call.
+    assert figures["decode_stack_max_rows"] == (levels["max_rows"] if levels["projections"] else 0)
 
 
 def test_bench_engine_quick_samples_and_speculates_when_asked(tmp_path):

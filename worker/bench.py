@@ -324,6 +324,9 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
     table.add_row("projections read from the file's 4-bit levels (bit for bit)",
                   f"{levels} of {projections}, iterations of <= {level_rows} rows" if levels
                   else "none")
+    stack_rows = engine.model.stack_max_rows if engine.model.stack_weights is not None else 0
+    table.add_row("all layers in one call (shoal::decode_stack)",
+                  f"iterations of <= {stack_rows} rows" if stack_rows else "no")
     table.add_row("attention backend", engine.model.attention.name)
     table.add_row("model load, kernel build included (s)", f"{load_s:.1f}")
     table.add_row("K/V blocks", f"{engine.num_total_blocks} x {cfg.block_size} tokens")
@@ -343,6 +346,7 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
         "quantization": cfg.quantization, "perplexity": quality,
         "cpu_kernels": engine.model.kernels, "amx": amx, "avx512_bf16": bf16_pairs,
         "q4_levels": {"projections": levels, "of": projections, "max_rows": level_rows},
+        "decode_stack_max_rows": stack_rows,
         "attention_backend": engine.model.attention.name,
         "prefill_tokens_per_s": prefill,
         "model_load_seconds": load_s, "peak_rss_bytes": peak_rss,
