@@ -166,6 +166,8 @@ def test_decode_stack_gives_the_layer_loops_bits(dtype):
     meta = build_metadata(tables[:2], [18, 18], [(tables[2], 17, 3)], bs)
     assert run(ids, positions, meta).shape == (5, cfg.hidden_size)
     assert run(ids, positions, meta, torch.tensor([0, 1, 4])).shape == (3, cfg.hidden_size)
+    none = torch.tensor([], dtype=torch.long)  # an iteration whose rows all go on prefilling
+    assert run(ids, positions, meta, none).shape == (0, cfg.hidden_size)
     for t in tables:
         alloc.free(t)
 

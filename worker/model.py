@@ -222,11 +222,10 @@ class LlamaModel:
         eps, dt, kern = cfg.rms_norm_eps, self.dtype, self.kernels
         x = F.embedding(input_ids, self.embed).float()  # the residual stream, float32
         if self.stack_weights is not None and x.shape[0] <= self.stack_max_rows:
-            torch.ops.shoal.decode_stack(x, self.stack_weights, kv_cache.k, kv_cache.v, positions,
-                                         self.cos_sin, meta.slot_mapping, *meta.seq_arrays,
-                                         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, eps,
-                                         self.scale, self.stack_pairs)
-            return x if output_rows is None else x[output_rows]
+            return torch.ops.shoal.decode_stack(
+                x, self.stack_weights, kv_cache.k, kv_cache.v, positions, self.cos_sin,
+                meta.slot_mapping, *meta.seq_arrays, output_rows, cfg.num_heads,
+                cfg.num_kv_heads, cfg.head_dim, eps, self.scale, self.stack_pairs)
         delta = None  # the last sublayer's output, added to x by the next fused add + norm
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):

@@ -2531,19 +2531,21 @@ Tensor vnni_linear(const Tensor& x_in, const Tensor& row_scale, const Tensor& pa
 #if defined(SHOAL_LANES) || defined(SHOAL_BF16_PAIRS)
 // ---------------------------------------------------------------------------------------------
 // Every layer of an iteration of a few rows in one call, where every projection reads GGUF's
-// 4-bit levels (worker/model.py's `forward` loop, the same kernels in the same order: the same
-// bits). A decode step of SmolLM2 otherwise makes about 270 op calls from Python, each paying
-// the interpreter and the dispatcher (worker/model.py, LlamaModel.forward).
-//   x        [n, hidden] float32, the residual stream after the embedding; on return, the last
-//            layer's output (before the final RMSNorm), written in place.
-//   weights  per layer: attention RMSNorm weight, packed QKV, packed O, MLP RMSNorm weight,
-//            packed gate/up, packed down (q4_lanes_linear's layout, or with `pairs` q4_linear's,
-//            gate and up blocks interleaved).
-// ---------------------------------------------------------------------------------------------
-void decode_stack(Tensor x, at::TensorList weights, at::TensorList k_pools,
+// 4-bit levels: the loop of worker/model.py's `LlamaModel.forward`, the same kernels in the same
+// order on the same rows (the same bits). A decode step of SmolLM2 otherwise makes about 270 op
+// calls from Python, each paying the interpreter and the dispatcher.
+//   x            [n, hidden] float32, the embeddings (not modified).
+//   weights      per layer: attention RMSNorm weight, packed QKV, packed O, MLP RMSNorm weight,
+//                packed gate/up, packed down (q4_lanes_linear's layout, or with `pairs`
+//                q4_linear's, gate and up blocks interleaved).
+//   output_rows  the rows whose output is wanted (the last layer's O and MLP run on them
+//                alone), or none for all.
+// Returns the last layer's output [rows, hidden] float32, before the final RMSNorm.
+Tensor decode_stack(const Tensor& embedded, at::TensorList weights, at::TensorList k_pools,
                     at::TensorList v_pools, const Tensor& positions, const Tensor& cos_sin,
                     const Tensor& slot_mapping, const Tensor& block_tables,
-                    const Tensor& query_start_loc, const Tensor& seq_lens, int64_t num_heads,
+                    const Tensor& query_start_loc, const Tensor& seq_lens,
+                    const c10::optional<Tensor>& output_rows, int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool pairs) {
   constexpr size_t kPerLayer = 6;
   const size_t layers = k_pools.size();
@@ -2568,17 +2570,24 @@ void decode_stack(Tensor x, at::TensorList weights, at::TensorList k_pools,
 #endif
     TORCH_CHECK(false, "unreachable");
   };
+  Tensor x = embedded.clone();  // the residual stream, updated in place layer by layer
   c10::optional<Tensor> delta;
   for (size_t l = 0; l < layers; ++l) {
     const Tensor* w = weights.data() + kPerLayer * l;
     Tensor h = add_rms_norm(x, delta, w[0], eps, dtype);
-    const Tensor a = attend_qkv(linear(h, w[1], false), positions, cos_sin, k_pools[l],
-                                v_pools[l], slot_mapping, block_tables, query_start_loc, seq_lens,
-                                num_heads, num_kv_heads, head_dim, scale);
+    Tensor a = attend_qkv(linear(h, w[1], false), positions, cos_sin, k_pools[l], v_pools[l],
+                          slot_mapping, block_tables, query_start_loc, seq_lens, num_heads,
+                          num_kv_heads, head_dim, scale);
+    if (l + 1 == layers && output_rows) {
+      a = a.index_select(0, *output_rows);
+      x = x.index_select(0, *output_rows);
+      if (a.size(0) == 0) return x;
+    }
     h = add_rms_norm(x, linear(a, w[2], false), w[3], eps, dtype);
     delta = linear(linear(h, w[4], true), w[5], false);
   }
   if (delta) x.add_(*delta);
+  return x;
 }
 #endif
 
@@ -2614,10 +2623,10 @@ TORCH_LIBRARY(shoal, m) {
         "Tensor(c!) v_pool, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
         "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float scale) -> Tensor");
 #if defined(SHOAL_LANES) || defined(SHOAL_BF16_PAIRS)
-  m.def("decode_stack(Tensor(a!) x, Tensor[] weights, Tensor[] k_pools, Tensor[] v_pools, "
+  m.def("decode_stack(Tensor x, Tensor[] weights, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, "
         "Tensor positions, Tensor cos_sin, Tensor slot_mapping, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, "
-        "float eps, float scale, bool pairs) -> ()");
+        "Tensor query_start_loc, Tensor seq_lens, Tensor? output_rows, int num_heads, "
+        "int num_kv_heads, int head_dim, float eps, float scale, bool pairs) -> Tensor");
 #endif
 #ifdef SHOAL_BF16_PAIRS
   m.def("pack_weight_pairs(Tensor weight) -> Tensor");
