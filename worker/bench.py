@@ -324,7 +324,7 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
     table.add_row("projections read from the file's 4-bit levels (bit for bit)",
                   f"{levels} of {projections}, iterations of <= {level_rows} rows" if levels
                   else "none")
-    stack_rows = engine.model.stack_max_rows if engine.model.stack_weights is not None else 0
+    stack_rows = engine.model.stack_max_rows  # 0 where decode_stack does not serve
     table.add_row("all layers in one call (shoal::decode_stack)",
                   f"iterations of <= {stack_rows} rows" if stack_rows else "no")
     table.add_row("attention backend", engine.model.attention.name)

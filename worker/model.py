@@ -172,7 +172,7 @@ class LlamaModel:
         # MLP norm, gate/up and down.
         self.stack_weights: list[torch.Tensor] | None = None
         self.stack_pairs = False  # q4_linear (bfloat16) rather than q4_lanes_linear (float32)
-        self.stack_max_rows = 0
+        self.stack_max_rows = 0  # (0 where the stack does not serve)
         linears = [lin for layer in self.layers
                    for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if (self.kernels and tp is None and hasattr(torch.ops.shoal, "decode_stack")

@@ -155,12 +155,12 @@ class WorkerServer:
         reader.start()
         pusher.start()
         levels, projections, level_rows = self.engine.model.levels_served()
-        model = self.engine.model
+        stack_rows = self.engine.model.stack_max_rows  # 0 where decode_stack does not serve
         log.info("worker %s serving %s with %d K/V blocks; %d of %d projections read the file's "
                  "4-bit levels in iterations of up to %d rows; %s", self.worker_id, self.model,
                  self.engine.num_total_blocks, levels, projections, level_rows,
-                 f"all layers in one call up to {model.stack_max_rows} rows"
-                 if model.stack_weights is not None else "layers called one op at a time")
+                 f"all layers in one call up to {stack_rows} rows" if stack_rows
+                 else "layers called one op at a time")
         try:
             while not (self._draining.is_set() and not self.engine.running):
                 try:
