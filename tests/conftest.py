@@ -195,6 +195,20 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     return w
 
 
+def random_q4_levels(out_features: int, in_features: int, g: torch.Generator,
+                      q4_0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random GGUF 4-bit levels `[out, in]` and float16 scales and minimums `[out, in / 32, 2]`:
+    Q4_1's (d > 0, any m) or Q4_0's (d of either sign, m = -8 d)."""
+    levels = torch.randint(0, 16, (out_features, in_features), generator=g, dtype=torch.uint8)
+    d = torch.rand(out_features, in_features // 32, generator=g) * 0.02 + 1e-4
+    if q4_0:
+        d = (d * torch.randn(d.shape, generator=g).sign()).half()
+        m = d * -8
+    else:
+        d, m = d.half(), (torch.randn(d.shape, generator=g) * 0.1).half()
+    return levels, torch.stack([d, m], dim=-1)
+
+
 def tiny_engine(num_blocks: int, block_size: int = 4, cfg: ModelConfig | None = None,
                 **kw) -> Engine:
     """A float32 engine over the tiny random model (`tiny_config()`, or `cfg`; `random_weights`)

@@ -10,7 +10,7 @@ import torch
 
 from shoal.messages import NewRequest
 from shoal.sampling_params import SamplingParams
-from tests.conftest import make_engine, random_weights, tiny_config
+from tests.conftest import make_engine, random_q4_levels, random_weights, tiny_config
 from worker import cpu_ops, ops
 from worker.config import EngineConfig
 from worker.engine import Engine
@@ -113,11 +113,7 @@ def _q4_model(dtype: torch.dtype):
     weights = random_weights(cfg, seed=3)
     g = torch.Generator().manual_seed(4)
     for name in [n for n in weights if n.endswith("_proj.weight")]:
-        out_features, in_features = weights[name].shape
-        levels = torch.randint(0, 16, (out_features, in_features), generator=g, dtype=torch.uint8)
-        d = (torch.rand(out_features, in_features // 32, generator=g) * 0.02 + 1e-3).half()
-        m = (torch.randn(d.shape, generator=g) * 0.1).half()
-        scale_min = torch.stack([d, m], dim=-1)
+        levels, scale_min = random_q4_levels(*weights[name].shape, g)
         prefix = name.removesuffix(".weight")
         weights[name] = q4_weight(levels, scale_min, torch.float32)
         weights[prefix + Q4_LEVELS], weights[prefix + Q4_SCALE_MIN] = levels, scale_min

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from tests.conftest import random_q4_levels
 from worker import cpu_ops, ops
 from worker.attention import (
     AttentionBackend,
@@ -339,20 +340,6 @@ def test_dp_linear_silu_is_swiglu_of_the_gate_up_projection(intermediate, in_fea
     assert (lin.silu_and_mul(torch.randn(300, in_features, generator=g).to(torch.bfloat16)) == 0).all()
 
 
-def _random_q4_levels(out_features: int, in_features: int, g: torch.Generator,
-                      q4_0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random GGUF 4-bit levels `[out, in]` and float16 scales and minimums `[out, in / 32, 2]`:
-    Q4_1's (d > 0, any m) or Q4_0's (d of either sign, m = -8 d)."""
-    levels = torch.randint(0, 16, (out_features, in_features), generator=g, dtype=torch.uint8)
-    d = torch.rand(out_features, in_features // 32, generator=g) * 0.02 + 1e-4
-    if q4_0:
-        d = (d * torch.randn(d.shape, generator=g).sign()).half()
-        m = d * -8
-    else:
-        d, m = d.half(), (torch.randn(d.shape, generator=g) * 0.1).half()
-    return levels, torch.stack([d, m], dim=-1)
-
-
 @pytest.mark.skipif(not ops.dp_linear_available() or ops.amx_available(),
                     reason="needs AVX512_BF16 without AMX")
 @pytest.mark.parametrize(("out_features", "in_features", "q4_0"),
@@ -365,7 +352,7 @@ def test_q4_linear_gives_dp_linears_bits_from_4_bit_levels(out_features, in_feat
     and 128 channels: 2 and 8 blocks, 2 outside the 6-block tiles of 1-2 rows); the values are
     also checked against float32 math, so a layout error shared by both cannot pass."""
     g = torch.Generator().manual_seed(70 + in_features)
-    levels, scale_min = _random_q4_levels(out_features, in_features, g, q4_0)
+    levels, scale_min = random_q4_levels(out_features, in_features, g, q4_0)
     w = q4_weight(levels, scale_min, torch.bfloat16)
     packed = pack_q4_pairs(levels, scale_min)
     pairs = torch.ops.shoal.pack_weight_pairs(w)
@@ -394,7 +381,7 @@ def test_q4_lanes_linear_gives_f32_linears_bits_from_4_bit_levels(out_features, 
     """The float32 counterpart: shoal::q4_lanes_linear equals f32_linear over the float32 weight
     the levels stand for, to the bit, and float32 math."""
     g = torch.Generator().manual_seed(90 + in_features)
-    levels, scale_min = _random_q4_levels(out_features, in_features, g, q4_0)
+    levels, scale_min = random_q4_levels(out_features, in_features, g, q4_0)
     w = q4_weight(levels, scale_min, torch.float32)
     packed, lanes = pack_q4_lanes(levels, scale_min), pack_lanes(w)
     for rows in (1, 2, 3, 4, 5, 6, 8, 9, 33):  # (AVX2: every tile shape, and chunks of 4 rows)
@@ -421,7 +408,7 @@ def test_linear_serves_few_rows_from_levels_that_give_back_its_weight(dtype, swi
     if not _q4_served(dtype):
         pytest.skip(f"no 4-bit levels kernel for {dtype} on this CPU")
     g = torch.Generator().manual_seed(80 + swiglu)
-    levels, scale_min = _random_q4_levels(64, 96, g)
+    levels, scale_min = random_q4_levels(64, 96, g)
     w = q4_weight(levels, scale_min, dtype)
     lin = Linear(w, kernels=True, swiglu=swiglu, q4=(levels, scale_min))
     max_rows = Q4_MAX_ROWS if dtype == torch.bfloat16 else Q4_LANES_MAX_ROWS

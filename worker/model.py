@@ -167,14 +167,13 @@ class LlamaModel:
         self.scale = cfg.head_dim**-0.5
         # Iterations of up to `stack_max_rows` rows run every layer in one call where every
         # projection serves them from the 4-bit levels (`shoal::decode_stack`): the kernels of
-        # the loop in `forward`, in its order (the same bits), without the ~270 calls a step
+        # the loop in `forward`, in its order (the same bits), without the ~240 op calls a step
         # makes from Python otherwise. `stack_weights`: per layer the attention norm, QKV, O,
         # MLP norm, gate/up and down.
         self.stack_weights: list[torch.Tensor] | None = None
         self.stack_pairs = False  # q4_linear (bfloat16) rather than q4_lanes_linear (float32)
         self.stack_max_rows = 0  # (0 where the stack does not serve)
-        linears = [lin for layer in self.layers
-                   for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        linears = self.projections()
         if (self.kernels and tp is None and hasattr(torch.ops.shoal, "decode_stack")
                 and getattr(self.attention, "cpu_kernels", False)
                 and all(lin.q4 is not None for lin in linears)):
@@ -188,11 +187,15 @@ class LlamaModel:
                 self.stack_pairs = pairs
                 self.stack_max_rows = min(lin.q4_max_rows for lin in linears)
 
+    def projections(self) -> list[Linear]:
+        """Every layer's QKV, O, gate/up and down projections, layer by layer."""
+        return [lin for layer in self.layers
+                for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
     def levels_served(self) -> tuple[int, int, int]:
         """Projections whose few-row iterations read the GGUF file's 4-bit levels
         (worker.linear), all projections, and the most rows those iterations have (0: none)."""
-        linears = [lin for layer in self.layers
-                   for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        linears = self.projections()
         return (sum(lin.q4 is not None for lin in linears), len(linears),
                 max(lin.q4_max_rows for lin in linears))
 

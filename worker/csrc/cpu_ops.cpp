@@ -2532,7 +2532,7 @@ Tensor vnni_linear(const Tensor& x_in, const Tensor& row_scale, const Tensor& pa
 // ---------------------------------------------------------------------------------------------
 // Every layer of an iteration of a few rows in one call, where every projection reads GGUF's
 // 4-bit levels: the loop of worker/model.py's `LlamaModel.forward`, the same kernels in the same
-// order on the same rows (the same bits). A decode step of SmolLM2 otherwise makes about 270 op
+// order on the same rows (the same bits). A decode step of SmolLM2 otherwise makes about 240 op
 // calls from Python, each paying the interpreter and the dispatcher.
 //   x            [n, hidden] float32, the embeddings (not modified).
 //   weights      per layer: attention RMSNorm weight, packed QKV, packed O, MLP RMSNorm weight,
