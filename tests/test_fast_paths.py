@@ -121,47 +121,59 @@ def _q4_model(dtype: torch.dtype):
                  for n, w in weights.items()}
 
 
+@pytest.mark.parametrize("levels", [True, False], ids=["levels", "no-levels"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_decode_stack_gives_the_layer_loops_bits(dtype):
-    """Iterations of a few rows run every layer in one call (shoal::decode_stack) where every
-    projection reads the 4-bit levels: decodes and a prefill chunk mixed, the last layer's
-    hidden states (all rows, and the sampling rows alone) equal the Python loop's to the bit."""
+def test_decode_stack_gives_the_layer_loops_bits(dtype, levels):
+    """Iterations of up to STACK_MAX_ROWS rows run every layer in one call (shoal::decode_stack)
+    where every projection's kernel for them is one the stack runs: the 4-bit levels up to
+    their rows, then bfloat16 pairs or float32 lanes, and those alone for a model without
+    levels. A prefill of each tier's most rows, then decodes mixed with a prefill chunk: the
+    last layer's hidden states (all rows, and the sampling rows alone) equal the Python loop's
+    to the bit."""
     from worker.attention import build_metadata
+    from worker.model import STACK_MAX_ROWS
 
     cfg, weights = _q4_model(dtype)
+    if not levels:
+        weights = {n: w for n, w in weights.items() if not n.endswith((Q4_LEVELS, Q4_SCALE_MIN))}
     engine = Engine(cfg, weights, EngineConfig(dtype=dtype, block_size=16, kv_cache_bytes=64 << 20))
     m = engine.model
-    if m.stack_weights is None:
-        pytest.skip(f"no 4-bit levels kernel for {dtype} on this CPU")
-    assert m.stack_max_rows >= 5 and m.stack_pairs == (dtype == torch.bfloat16)
+    if not m.stacks:
+        pytest.skip(f"decode_stack's kernels for {dtype} are not built on this CPU")
+    assert m.stack_max_rows == STACK_MAX_ROWS and m.stack_pairs == (dtype == torch.bfloat16)
+    reads_levels = [w[1].dtype == torch.uint8 for _, w in m.stacks]
+    assert reads_levels == ([True, False] if levels else [False])
     g = torch.Generator().manual_seed(5)
     alloc, bs = engine.kv_cache.allocator, engine.block_size
-    tables = [alloc.allocate(engine.blocks_for_tokens(40)) for _ in range(3)]
 
     def run(ids, positions, meta, rows=None):
         outs = []
-        for stack in (m.stack_weights, None):
-            saved, m.stack_weights = m.stack_weights, stack
+        for stacks in (m.stacks, []):
+            saved, m.stacks = m.stacks, stacks
             try:
                 with torch.inference_mode():
                     outs.append(m.forward(torch.tensor(ids), positions, meta, engine.kv_cache,
                                           rows))
             finally:
-                m.stack_weights = saved
+                m.stacks = saved
         assert torch.equal(outs[0], outs[1])
         return outs[0]
 
-    for t in tables:  # 17 tokens each, in chunks of 5, 5, 5 and 2
-        for start in range(0, 17, 5):
-            n = min(5, 17 - start)
-            ids = torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist()
-            run(ids, torch.arange(start, start + n), build_metadata([], [], [(t, start, n)], bs))
-    # two decodes at position 17 and a 3-token chunk of the third request
-    ids = torch.randint(2, cfg.vocab_size, (5,), generator=g).tolist()
-    positions = torch.tensor([17, 17, 17, 18, 19])
-    meta = build_metadata(tables[:2], [18, 18], [(tables[2], 17, 3)], bs)
-    assert run(ids, positions, meta).shape == (5, cfg.hidden_size)
-    assert run(ids, positions, meta, torch.tensor([0, 1, 4])).shape == (3, cfg.hidden_size)
+    # One request prefilled in one iteration of each tier's most rows (and one of 5 rows).
+    lengths = sorted({5} | {rows for rows, _ in m.stacks})
+    tables = [alloc.allocate(engine.blocks_for_tokens(n + 4)) for n in lengths]
+    for t, n in zip(tables, lengths):
+        ids = torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist()
+        out = run(ids, torch.arange(n), build_metadata([], [], [(t, 0, n)], bs), torch.tensor([n - 1]))
+        assert out.shape == (1, cfg.hidden_size)
+    # The others decode at their next position beside a 3-token chunk of the first.
+    decodes = len(tables) - 1
+    ids = torch.randint(2, cfg.vocab_size, (decodes + 3,), generator=g).tolist()
+    positions = torch.tensor([*lengths[1:], 5, 6, 7])
+    meta = build_metadata(tables[1:], [n + 1 for n in lengths[1:]], [(tables[0], 5, 3)], bs)
+    assert run(ids, positions, meta).shape == (decodes + 3, cfg.hidden_size)
+    sampling = torch.tensor([*range(decodes), decodes + 2])
+    assert run(ids, positions, meta, sampling).shape == (decodes + 1, cfg.hidden_size)
     none = torch.tensor([], dtype=torch.long)  # an iteration whose rows all go on prefilling
     assert run(ids, positions, meta, none).shape == (0, cfg.hidden_size)
     for t in tables:

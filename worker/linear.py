@@ -664,6 +664,23 @@ class Linear:
             return torch.ops.shoal.dp_linear_silu(x, self.pairs)
         return ops.silu_and_mul(self(x), self.kernels)
 
+    def stack_operand(self, rows: int) -> torch.Tensor | None:
+        """The packed weight `shoal::decode_stack` reads for an iteration of `rows` rows, where
+        the kernel `__call__` (and `silu_and_mul`) runs for it is one the stack runs too (the
+        same kernel, so the same bits): the 4-bit levels (`shoal::q4_linear` or
+        `q4_lanes_linear`), float32 lanes (`f32_linear`) or bfloat16 pairs (`dp_linear`, its
+        SwiGLU form for gate/up). None where another kernel serves those rows. The checks
+        follow `__call__`'s order."""
+        if rows <= self.q4_max_rows:
+            return self.q4
+        if rows <= self.max_quantized_rows:
+            return None
+        if rows <= self.lanes_max_rows:
+            return self.lanes[0] if self.lanes_op is torch.ops.shoal.f32_linear else None
+        if self.uses_w8a8(rows) or rows > self.pairs_max_rows or self.amx:
+            return None
+        return self.pairs if self.swiglu_pairs or not self.swiglu else None
+
     def _w8a8(self, x: torch.Tensor, silu_and_mul: bool) -> torch.Tensor:
         q, row_scale = ops.quantize_rows(x, self.kernels)
         if self.vnni_w8a8 is not None:

@@ -35,6 +35,12 @@ from worker.loader import Q4_LEVELS, Q4_SCALE_MIN, Weights
 
 log = logging.getLogger(__name__)
 
+# The most rows of an iteration `shoal::decode_stack` runs (where its kernels serve them). What
+# it saves, the loop's ~240 op calls a step, is a share of the step that shrinks as rows add
+# work. Decode tokens/s, stack against loop in turns, SmolLM2 without its levels, bfloat16,
+# 2-core Zen 4: batch 1 +16%, 16 +8.7%, 64 +3.4% (docs/benchmarks.md, session 23).
+STACK_MAX_ROWS = 64
+
 
 @dataclass
 class _Layer:
@@ -165,27 +171,42 @@ class LlamaModel:
                         "iterations of a few rows, as under int8)", str(self.dtype).removeprefix("torch."))
         self.cos_sin = ops.rope_cos_sin(cfg.rope_theta, cfg.head_dim, max_positions).to(self.device)
         self.scale = cfg.head_dim**-0.5
-        # Iterations of up to `stack_max_rows` rows run every layer in one call where every
-        # projection serves them from the 4-bit levels (`shoal::decode_stack`): the kernels of
-        # the loop in `forward`, in its order (the same bits), without the ~240 op calls a step
-        # makes from Python otherwise. `stack_weights`: per layer the attention norm, QKV, O,
-        # MLP norm, gate/up and down.
-        self.stack_weights: list[torch.Tensor] | None = None
-        self.stack_pairs = False  # q4_linear (bfloat16) rather than q4_lanes_linear (float32)
-        self.stack_max_rows = 0  # (0 where the stack does not serve)
-        linears = self.projections()
+        # Iterations of up to `stack_max_rows` rows run every layer in one call
+        # (`shoal::decode_stack`) where every projection serves them with a kernel the stack
+        # runs (`Linear.stack_operand`): the kernels of the loop in `forward`, in its order (the
+        # same bits), without the ~240 op calls a step makes from Python otherwise. `stacks`:
+        # (most rows, weights) in ascending rows, the weights per layer the attention norm,
+        # QKV, O, MLP norm, gate/up and down; a new entry where some projection's operand
+        # changes (SmolLM2 in bfloat16: the 4-bit levels up to 8 rows, then bfloat16 pairs).
+        self.stacks: list[tuple[int, list[torch.Tensor]]] = []
+        self.stack_pairs = self.dtype == torch.bfloat16  # bfloat16 kernels, else float32 lanes
         if (self.kernels and tp is None and hasattr(torch.ops.shoal, "decode_stack")
-                and getattr(self.attention, "cpu_kernels", False)
-                and all(lin.q4 is not None for lin in linears)):
-            lanes = all(lin.q4_lanes for lin in linears)
-            pairs = (not any(lin.q4_lanes for lin in linears)
-                     and all(layer.gate_up.swiglu_pairs for layer in self.layers))
-            if lanes or pairs:
-                self.stack_weights = [t for layer in self.layers
-                                      for t in (layer.attn_norm, layer.qkv.q4, layer.o.q4,
-                                                layer.mlp_norm, layer.gate_up.q4, layer.down.q4)]
-                self.stack_pairs = pairs
-                self.stack_max_rows = min(lin.q4_max_rows for lin in linears)
+                and getattr(self.attention, "cpu_kernels", False)):
+            self.stacks = self._stack_tiers()
+
+    def _stack_tiers(self) -> list[tuple[int, list[torch.Tensor]]]:
+        """`stacks` (above): for each row count up to STACK_MAX_ROWS, the operands every
+        projection's `stack_operand` gives, until one has none."""
+        tiers: list[tuple[int, list[torch.Tensor]]] = []
+        for rows in range(1, STACK_MAX_ROWS + 1):
+            weights = []
+            for layer in self.layers:
+                operands = [lin.stack_operand(rows)
+                            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+                if any(op is None for op in operands):
+                    return tiers
+                qkv, o, gate_up, down = operands
+                weights += [layer.attn_norm, qkv, o, layer.mlp_norm, gate_up, down]
+            if tiers and all(a is b for a, b in zip(tiers[-1][1], weights)):
+                tiers[-1] = (rows, tiers[-1][1])
+            else:
+                tiers.append((rows, weights))
+        return tiers
+
+    @property
+    def stack_max_rows(self) -> int:
+        """The most rows an iteration run by `shoal::decode_stack` has (0: it does not serve)."""
+        return self.stacks[-1][0] if self.stacks else 0
 
     def projections(self) -> list[Linear]:
         """Every layer's QKV, O, gate/up and down projections, layer by layer."""
@@ -224,11 +245,12 @@ class LlamaModel:
         cfg = self.cfg
         eps, dt, kern = cfg.rms_norm_eps, self.dtype, self.kernels
         x = F.embedding(input_ids, self.embed).float()  # the residual stream, float32
-        if self.stack_weights is not None and x.shape[0] <= self.stack_max_rows:
-            return torch.ops.shoal.decode_stack(
-                x, self.stack_weights, kv_cache.k, kv_cache.v, positions, self.cos_sin,
-                meta.slot_mapping, *meta.seq_arrays, output_rows, cfg.num_heads,
-                cfg.num_kv_heads, cfg.head_dim, eps, self.scale, self.stack_pairs)
+        for max_rows, weights in self.stacks:
+            if x.shape[0] <= max_rows:
+                return torch.ops.shoal.decode_stack(
+                    x, weights, kv_cache.k, kv_cache.v, positions, self.cos_sin,
+                    meta.slot_mapping, *meta.seq_arrays, output_rows, cfg.num_heads,
+                    cfg.num_kv_heads, cfg.head_dim, eps, self.scale, self.stack_pairs)
         delta = None  # the last sublayer's output, added to x by the next fused add + norm
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):

@@ -2530,14 +2530,17 @@ Tensor vnni_linear(const Tensor& x_in, const Tensor& row_scale, const Tensor& pa
 
 #if defined(SHOAL_LANES) || defined(SHOAL_BF16_PAIRS)
 // ---------------------------------------------------------------------------------------------
-// Every layer of an iteration of a few rows in one call, where every projection reads GGUF's
-// 4-bit levels: the loop of worker/model.py's `LlamaModel.forward`, the same kernels in the same
-// order on the same rows (the same bits). A decode step of SmolLM2 otherwise makes about 240 op
-// calls from Python, each paying the interpreter and the dispatcher.
+// Every layer of an iteration of a few rows in one call: the loop of worker/model.py's
+// `LlamaModel.forward`, the same kernels in the same order on the same rows (the same bits). A
+// decode step of SmolLM2 otherwise makes about 240 op calls from Python, each paying the
+// interpreter and the dispatcher.
 //   x            [n, hidden] float32, the embeddings (not modified).
 //   weights      per layer: attention RMSNorm weight, packed QKV, packed O, MLP RMSNorm weight,
-//                packed gate/up, packed down (q4_lanes_linear's layout, or with `pairs`
-//                q4_linear's, gate and up blocks interleaved).
+//                packed gate/up, packed down. Each projection runs the kernel its packed weight
+//                is for: uint8 GGUF 4-bit levels through q4_lanes_linear (float32) or, with
+//                `pairs`, q4_linear (bfloat16); float32 lanes through f32_linear; bfloat16
+//                pairs through dp_linear. With `pairs` gate and up blocks are interleaved
+//                (dp_linear_silu's and q4_linear's SwiGLU order).
 //   output_rows  the rows whose output is wanted (the last layer's O and MLP run on them
 //                alone), or none for all.
 // Returns the last layer's output [rows, hidden] float32, before the final RMSNorm.
@@ -2552,19 +2555,23 @@ Tensor decode_stack(const Tensor& embedded, at::TensorList weights, at::TensorLi
   TORCH_CHECK(weights.size() == kPerLayer * layers && v_pools.size() == layers,
               "decode_stack: 6 weights and a K and V pool per layer");
 #ifndef SHOAL_BF16_PAIRS
-  TORCH_CHECK(!pairs, "decode_stack: q4_linear is not built on this CPU");
+  TORCH_CHECK(!pairs, "decode_stack: the bfloat16 kernels are not built on this CPU");
 #endif
 #ifndef SHOAL_LANES
-  TORCH_CHECK(pairs, "decode_stack: q4_lanes_linear is not built on this CPU");
+  TORCH_CHECK(pairs, "decode_stack: the float32 lanes kernels are not built on this CPU");
 #endif
   const at::ScalarType dtype = pairs ? at::kBFloat16 : at::kFloat;
   const auto linear = [&](const Tensor& in, const Tensor& packed, bool silu) -> Tensor {
+    const bool levels = packed.scalar_type() == at::kByte;
 #ifdef SHOAL_BF16_PAIRS
-    if (pairs) return q4_linear(in, packed, silu);
+    if (pairs) {
+      if (levels) return q4_linear(in, packed, silu);
+      return silu ? dp_linear_silu(in, packed) : dp_linear(in, packed);
+    }
 #endif
 #ifdef SHOAL_LANES
     if (!pairs) {
-      Tensor y = q4_lanes_linear(in, packed);
+      Tensor y = levels ? q4_lanes_linear(in, packed) : f32_linear(in, packed);
       return silu ? silu_and_mul(y) : y;
     }
 #endif
