@@ -189,8 +189,9 @@ def test_greedy_rows_screened_through_a_low_precision_lm_head_are_the_exact_argm
     """Unquantized greedy iterations of a few rows take their candidates from an int8 copy of
     the LM head (an int4 one on AVX2-only CPUs): over 512 positions of a real text and 512 of
     random-token contexts (flatter distributions: there the exact best once ranked 12th among
-    the int8 logits, past the 8 candidates first recomputed), every argmax equals float32
-    arithmetic's."""
+    the int8 logits, past the 8 candidates first recomputed), every pick is float32
+    arithmetic's argmax, or ties it within the rounding of another summation order (two logits
+    4e-6 apart once swapped, on kernels built for AVX-512 without AVX512_BF16)."""
     import random
 
     import torch.nn.functional as F
@@ -214,11 +215,14 @@ def test_greedy_rows_screened_through_a_low_precision_lm_head_are_the_exact_argm
         with torch.inference_mode():
             hidden = m.forward(torch.tensor(ids), torch.arange(len(ids)), meta, engine.kv_cache)
             h = F.rms_norm(hidden, (m.cfg.hidden_size,), m.norm, m.cfg.rms_norm_eps)
-            exact = (h @ m.lm_head.float().T).argmax(dim=1)
+            logits = h @ m.lm_head.float().T
             rows = m.LM_HEAD_SCREEN_MAX_ROWS
             lean = torch.cat([m.compute_logits(hidden[i:i + rows], full=False)[1]
                               for i in range(0, len(ids), rows)])
-        assert torch.equal(lean, exact)
+        # A candidate the screen missed would lose by far more (its logit outside the best 64).
+        shortfall = logits.max(dim=1).values - logits.gather(1, lean[:, None])[:, 0]
+        assert shortfall.max() <= 1e-4, shortfall.max()
+        assert (lean == logits.argmax(dim=1)).float().mean() >= 0.99
         engine.kv_cache.allocator.free(table)
 
 

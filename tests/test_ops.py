@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (worker/csrc/cpu_ops.cpp) against their torch references, on random inputs."""
+"""The C++ CPU kernels (worker/csrc/) against their torch references, on random inputs."""
 
 from __future__ import annotations
 

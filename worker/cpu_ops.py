@@ -1,4 +1,4 @@
-"""The engine's CPU kernels (`worker/csrc/cpu_ops.cpp`), built on first use.
+"""The engine's CPU kernels (`worker/csrc/`, one file a family of kernels), built on first use.
 
 The extension is compiled by `torch.utils.cpp_extension.load` against the torch that is installed,
 so its ABI always matches: a wheel built ahead of time (or in pip's isolated build environment)
@@ -30,7 +30,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+# Every kernel file; the build itself tracks the headers they include (common.h, ops.h).
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 
@@ -95,7 +96,7 @@ def _build() -> bool:
             cpp_extension.load(
                 name=name,
                 build_directory=str(build_dir),
-                sources=[str(SOURCE)],
+                sources=[str(p) for p in SOURCES],
                 # -fno-trapping-math lets GCC vectorise std::floor (fast_exp); nothing here reads
                 # FP flags.
                 extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp",

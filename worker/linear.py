@@ -283,7 +283,7 @@ def quantize_int4(weight: torch.Tensor,
 def pack_lanes(q: torch.Tensor) -> torch.Tensor:
     """Weights `[out, in]` (per-channel int8, or float32) into the layout of `shoal::int8_linear`
     and `shoal::f32_linear`, `[out / 16, in, 16]`: 16 output channels in the lanes of a vector
-    (worker/csrc/cpu_ops.cpp).
+    (worker/csrc/lanes.cpp).
 
     Raises:
         ValueError: `out` not a multiple of 32.
@@ -386,7 +386,7 @@ def q4_weight(levels: torch.Tensor, scale_min: torch.Tensor, dtype: torch.dtype)
 
 
 def pack_q4_pairs(levels: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
-    """GGUF 4-bit levels in `shoal::q4_linear`'s layout (bfloat16 serving; worker/csrc/cpu_ops.cpp).
+    """GGUF 4-bit levels in `shoal::q4_linear`'s layout (bfloat16 serving; worker/csrc/pairs.cpp).
 
     Args:
         levels: `[N, K]` uint8, 0-15 (N a multiple of 16, K of 32).

@@ -1,4 +1,4 @@
-"""The engine's fused ops: the C++ kernels of `worker/csrc/cpu_ops.cpp` where they are built, the
+"""The engine's fused ops: the C++ kernels of `worker/csrc/` where they are built, the
 plain torch reference otherwise. The model is written once against these functions.
 
 Each op has a `*_reference` in torch: it is the fallback (no compiler, float16, `SHOAL_CPU_OPS=0`)
@@ -89,7 +89,7 @@ def int4_q8_available() -> bool:
 
 def dp_linear_available() -> bool:
     """True when the C++ kernels were built with AVX512_BF16: `shoal::dp_linear` and the
-    bfloat16-pair prefill attention (worker/linear.py, worker/csrc/cpu_ops.cpp)."""
+    bfloat16-pair prefill attention (worker/linear.py, worker/csrc/attention.cpp)."""
     return cpu_ops.load() and hasattr(torch.ops.shoal, "dp_linear")
 
 

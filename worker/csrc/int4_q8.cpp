@@ -1,0 +1,182 @@
+// int4 weights (GGUF Q4_1) against int8 activations: int4_q8_linear (AVX2 and AVX-512 VNNI).
+
+#include "common.h"
+#include "ops.h"
+
+namespace shoal {
+
+#ifdef SHOAL_INT4_Q8
+// ---------------------------------------------------------------------------------------------
+// int4 weights (GGUF Q4_1's levels, scales and minimums) against int8 activations, for AVX2-only
+// CPUs and those with AVX-512 VNNI (below). On AVX2 alone the lanes kernel (lanes.cpp) is bound by
+// widening every weight to float32 (two conversions and two bit operations per 8 weights, for
+// each FMA of 8 multiply-adds: 5.4 ms for SmolLM2's 120 projections at 1 row, 10 GB/s, on a
+// 2-core Zen 3), while `vpmaddubsw`
+// multiplies 32 unsigned levels by 32 signed activation bytes at once. Each row of x is
+// quantized per block of 32 inputs, as llama.cpp's Q8 activations for its Q4 dot products:
+//   x[i, k] ≈ d[i, b] * x8[i, k], |x8| <= 127, d = max |x| / 127 over the block;
+//   y[i, n] = sum_b scale[n, b] * d[i, b] * sum_{k in b} q[n, k] x8[i, k] + min[n, b] * X[i, b]
+// with X[i, b] the block's exact float32 sum. A level (<= 15) times a byte (|x8| <= 127) paired
+// by vpmaddubsw stays within 3,810, so a block's 8 of them add up in int16 without saturating.
+// Layout (pack_int4_quads, worker/linear.py): w [N/8][K/32][4][8][4] uint8: 32-byte vector t of
+// block b holds, for each of 8 output channels c, 4 bytes: inputs 32b + 4t + i (low nibble) and
+// 32b + 16 + 4t + i (high nibble), i = 0..3; scale_min [N/8][K/32][2][8] float16.
+// ---------------------------------------------------------------------------------------------
+// Rows sharing the unpacked levels of a block (registers: 8 + 4). With VNNI this 8-channel
+// AVX2 form still serves iterations of up to this many rows: at 1-4 rows it measured 2.9-3.9 ms
+// for SmolLM2's 120 projections against 4.0-5.4 for the 16-channel form below (2-core Zen 4).
+constexpr int64_t kQ8Rows = 4;
+
+template <int64_t M>
+void int4_q8_rows(const int8_t* x8, const float* d, const float* x_sum, const uint8_t* w,
+                  const uint16_t* sm, float* y, int64_t k, int64_t n, int64_t g) {
+  const int64_t nb = k / 32;
+  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 acc[M];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w + (g * nb + b) * 128;
+    __m256i lv[8];  // levels of quad-steps 0-3 (low nibbles) and 4-7 (high nibbles)
+    for (int64_t t = 0; t < 4; ++t) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * t));
+      lv[t] = _mm256_and_si256(v, low);
+      lv[4 + t] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+    const uint16_t* smb = sm + (g * nb + b) * 16;
+    const __m256 scl = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(smb)));
+    const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(smb + 8)));
+    for (int64_t i = 0; i < M; ++i) {
+      const int8_t* xb = x8 + i * k + 32 * b;
+      __m256i s16 = _mm256_setzero_si256();
+      for (int64_t t = 0; t < 8; ++t) {
+        int32_t quad;
+        std::memcpy(&quad, xb + (t < 4 ? 4 * t : 16 + 4 * (t - 4)), 4);
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lv[t], _mm256_set1_epi32(quad)));
+      }
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+      acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scl, _mm256_set1_ps(d[i * nb + b])), acc[i]);
+      acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x_sum[i * nb + b]), acc[i]);
+    }
+  }
+  for (int64_t i = 0; i < M; ++i) _mm256_storeu_ps(y + i * n + 8 * g, acc[i]);
+}
+
+#ifdef SHOAL_INT4_Q8_VNNI
+// With AVX-512 VNNI, `vpdpbusd` adds each channel's four byte products straight into its int32
+// lane (AVX2 takes `vpmaddubsw`, an int16 add and a `vpmaddwd`), and a zmm register holds two
+// 8-channel groups of the same layout side by side (g and g + 1: channels 8g..8g+15, stored as
+// one vector), so each broadcast of four activation bytes feeds 16 channels. 32 registers let
+// 8 rows share a block's unpacked levels. The arithmetic per channel is AVX2's, bit for bit.
+constexpr int64_t kQ8VnniRows = 8;
+
+template <int64_t M>
+void int4_q8_rows_vnni(const int8_t* x8, const float* d, const float* x_sum, const uint8_t* w,
+                       const uint16_t* sm, float* y, int64_t k, int64_t n, int64_t g) {
+  const int64_t nb = k / 32;
+  const __m512i low = _mm512_set1_epi8(15);
+  __m512 acc[M];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  auto pair256 = [](const void* a, const void* b) {
+    return _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(static_cast<const __m256i*>(a))),
+        _mm256_loadu_si256(static_cast<const __m256i*>(b)), 1);
+  };
+  auto pair_half = [](const uint16_t* a, const uint16_t* b) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+  };
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* w0 = w + (g * nb + b) * 128;
+    const uint8_t* w1 = w + ((g + 1) * nb + b) * 128;
+    __m512i lv[8];
+    for (int64_t t = 0; t < 4; ++t) {
+      const __m512i v = pair256(w0 + 32 * t, w1 + 32 * t);
+      lv[t] = _mm512_and_si512(v, low);
+      lv[4 + t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    const uint16_t* s0 = sm + (g * nb + b) * 16;
+    const uint16_t* s1 = sm + ((g + 1) * nb + b) * 16;
+    const __m512 scl = pair_half(s0, s1), mn = pair_half(s0 + 8, s1 + 8);
+    for (int64_t i = 0; i < M; ++i) {
+      const int8_t* xb = x8 + i * k + 32 * b;
+      __m512i s32 = _mm512_setzero_si512();
+      for (int64_t t = 0; t < 8; ++t) {
+        int32_t quad;
+        std::memcpy(&quad, xb + (t < 4 ? 4 * t : 16 + 4 * (t - 4)), 4);
+        s32 = _mm512_dpbusd_epi32(s32, lv[t], _mm512_set1_epi32(quad));
+      }
+      const __m512 dot = _mm512_cvtepi32_ps(s32);
+      acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scl, _mm512_set1_ps(d[i * nb + b])), acc[i]);
+      acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x_sum[i * nb + b]), acc[i]);
+    }
+  }
+  for (int64_t i = 0; i < M; ++i) _mm512_storeu_ps(y + i * n + 8 * g, acc[i]);
+}
+#endif
+
+Tensor int4_q8_linear(const Tensor& x, const Tensor& w, const Tensor& scale_min) {
+  TORCH_CHECK(w.dim() == 5 && w.size(2) == 4 && w.size(3) == 8 && w.size(4) == 4 &&
+                  w.scalar_type() == at::kByte,
+              "int4_q8_linear: w [N/8, K/32, 4, 8, 4] uint8");
+  const int64_t k = w.size(1) * 32, n = w.size(0) * 8, m = x.size(0), nb = k / 32;
+  check_lanes_input(x, w, k, "int4_q8_linear");
+  check_cpu_contiguous(scale_min, "int4_q8_linear scale_min");
+  TORCH_CHECK(scale_min.scalar_type() == at::kHalf && scale_min.numel() == n / 8 * nb * 16,
+              "int4_q8_linear: float16 scale_min [N/8, K/32, 2, 8]");
+  const Tensor xf = x.to(at::kFloat);
+  const float* xp = xf.data_ptr<float>();
+  // Each row's blocks of 32 inputs: int8 values, their scale and their exact sum. (Not through
+  // quantize_row: its rounding, which GCC contracts into an FMA with the scaling, resolved other
+  // near-ties, and with it the perplexity of 512 tokens of GPL-3 measured 2.6-3.4% higher here,
+  // 19.17 / 20.47 against 18.65 / 19.93; docs/benchmarks.md, session 15.)
+  std::vector<int8_t> x8(m * k);
+  std::vector<float> d(m * nb), x_sum(m * nb);
+  // (On both threads: a prefill iteration's inputs are millions of elements.)
+  at::parallel_for(0, m * nb, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const float* src = xp + blk * 32;
+      float amax = 0.f, sum = 0.f;
+#pragma omp simd reduction(max : amax) reduction(+ : sum)
+      for (int64_t e = 0; e < 32; ++e) {
+        amax = std::max(amax, std::fabs(src[e]));
+        sum += src[e];
+      }
+      d[blk] = amax / 127.f;
+      x_sum[blk] = sum;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      for (int64_t e = 0; e < 32; ++e)
+        x8[blk * 32 + e] = static_cast<int8_t>(std::nearbyint(src[e] * inv));
+    }
+  });
+  Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const uint16_t* smp = static_cast<const uint16_t*>(scale_min.data_ptr());
+  float* yp = y.data_ptr<float>();
+#ifdef SHOAL_INT4_Q8_VNNI
+  if (n % 16 == 0 && m > kQ8Rows) {  // pairs of 8-channel groups (fewer rows: see above)
+    at::parallel_for(0, n / 16, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t pair = begin; pair < end; ++pair)
+        for (int64_t i0 = 0; i0 < m; i0 += kQ8VnniRows)
+          with_row_count<kQ8VnniRows>(std::min<int64_t>(m - i0, kQ8VnniRows), [&](auto rows) {
+            int4_q8_rows_vnni<decltype(rows)::value>(x8.data() + i0 * k, d.data() + i0 * nb,
+                                                     x_sum.data() + i0 * nb, wp, smp,
+                                                     yp + i0 * n, k, n, 2 * pair);
+          });
+    });
+    return y.to(x.scalar_type());
+  }
+#endif
+  at::parallel_for(0, n / 8, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t i0 = 0; i0 < m; i0 += kQ8Rows)
+        with_row_count<kQ8Rows>(std::min<int64_t>(m - i0, kQ8Rows), [&](auto rows) {
+          int4_q8_rows<decltype(rows)::value>(x8.data() + i0 * k, d.data() + i0 * nb,
+                                               x_sum.data() + i0 * nb, wp, smp, yp + i0 * n, k, n, g);
+        });
+  });
+  return y.to(x.scalar_type());
+}
+#endif
+
+}  // namespace shoal

@@ -1,0 +1,368 @@
+// Matmuls on weights 16 output channels to a vector ("lanes"), float32 activations: f32_linear,
+// the weight-only int8 / int4 ones, and q4_lanes_linear from GGUF's 4-bit levels.
+
+#include "common.h"
+#include "ops.h"
+
+namespace shoal {
+
+#ifdef SHOAL_LANES
+// ---------------------------------------------------------------------------------------------
+// Weight-only int8 and int4 matmuls for iterations of a few rows, activations kept in float32:
+// the few-row path of `--quantization int8 / int4` where the engine serves float32 (CPUs without
+// bfloat16 instructions). There a decode step is bound by reading weights, and torch's
+// `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` took 50 and 126 ms a single-stream step
+// against 27 ms unquantized (2-core Xeon, docs/benchmarks.md session 7).
+//
+// The weights hold 16 output channels in the 16 lanes of a vector ("lanes" layout): a weight
+// vector is widened to float32 and multiplied by one broadcast activation, so no horizontal sums
+// are needed and scales apply lane by lane.
+//   int8: w [N/16][K][16] int8 (lane c of group g at input k: channel 16g + c);
+//         y[i, n] = scale[n] * sum_k w[n, k] x[i, k]
+//   int4: w [N/16][K/32][16][16] uint8: byte j of lane c in block b holds the levels of inputs
+//         32b + j (low nibble) and 32b + 16 + j (high nibble); scale_min [N/16][K/32][2][16]
+//         float16, each block's 16 scales then 16 minimums (GGUF Q4_1's scheme):
+//         y[i, n] = sum_b scale[n, b] * sum_{k in b} q[n, k] x[i, k] + min[n, b] * sum_{k in b} x[i, k]
+// Two groups (32 channels) go together and up to kLaneRows rows share each widened weight vector;
+// more rows go kLaneRows at a time over the same group pair, whose weights are then in cache.
+// The kernels are written once on Lanes16 (common.h); only the register budget differs between
+// AVX-512 and AVX2 (kLaneRows, kLaneChains).
+// ---------------------------------------------------------------------------------------------
+
+// int8 weights (scaled per channel at the end) or float32 ones (`scale` null).
+inline Lanes16 load_weights(const int8_t* p) { return Lanes16::load_int8(p); }
+inline Lanes16 load_weights(const float* p) { return Lanes16::load(p); }
+
+// Accumulators of lanes_rows and q4_lanes_rows: [input mod kLaneChains][row][group], so that the
+// two sum in the same order.
+template <int64_t M> using LaneAcc = Lanes16[kLaneChains][M][2];
+
+// One input's weights of the two groups (a, b) times each row's x at that input (`x` points at
+// row 0's; rows are k apart), into one chain's accumulators (`chain`: acc[input mod kLaneChains]).
+template <int64_t M>
+inline void lanes_step(Lanes16 (&chain)[M][2], const float* x, int64_t k, Lanes16 a, Lanes16 b) {
+  for (int64_t i = 0; i < M; ++i) {
+    const Lanes16 xv = Lanes16::all(x[i * k]);
+    chain[i][0] = fmadd(a, xv, chain[i][0]);
+    chain[i][1] = fmadd(b, xv, chain[i][1]);
+  }
+}
+
+// The chains summed, times each channel's scale (if any), into y's groups g and g + 1.
+template <int64_t M>
+inline void lanes_store(const LaneAcc<M>& acc, const float* scale, float* y, int64_t n, int64_t g) {
+  for (int64_t h = 0; h < 2; ++h) {
+    for (int64_t i = 0; i < M; ++i) {
+      Lanes16 sum = acc[0][i][h];
+      for (int64_t p = 1; p < kLaneChains; ++p) sum = sum + acc[p][i][h];
+      if (scale) sum = sum * Lanes16::load(scale + (g + h) * 16);
+      sum.store(y + i * n + (g + h) * 16);
+    }
+  }
+}
+
+template <int64_t M, typename W>
+void lanes_rows(const float* x, const W* w, const float* scale, float* y, int64_t k, int64_t n,
+                int64_t g) {
+  const W* w0 = w + g * k * 16;
+  const W* w1 = w0 + k * 16;
+  LaneAcc<M> acc;
+  for (auto& a : acc)
+    for (auto& r : a) r[0] = r[1] = Lanes16::zero();
+  for (int64_t c = 0; c < k; c += kLaneChains)
+    for (int64_t p = 0; p < kLaneChains; ++p)
+      lanes_step<M>(acc[p], x + c + p, k, load_weights(w0 + (c + p) * 16),
+                    load_weights(w1 + (c + p) * 16));
+  lanes_store<M>(acc, scale, y, n, g);
+}
+
+#if defined(__AVX512F__)
+// float32 weights rebuilt from GGUF's 4-bit levels (see q4_linear in pairs.cpp for the scheme):
+// rows of x against channel groups g and g + 1, with lanes_rows' chains and order, so the result
+// is f32_linear's to the bit (d q + m is exact in one FMA, as the loader's float32 weight is).
+// `w` is q4_lanes_linear's layout: per 16-channel group and 32 inputs, d[16] and m[16] float16,
+// then 16 vectors of 16 bytes, byte j of vector s holding channel j's levels at inputs 2 s (low
+// nibble) and 2 s + 1 (high).
+template <int64_t M>
+void q4_lanes_rows(const float* x, const uint8_t* w, float* y, int64_t k, int64_t n, int64_t g) {
+  const int64_t block_bytes = k / 32 * kQ4GroupBytes;
+  const uint8_t* w0 = w + g * block_bytes;
+  const uint8_t* w1 = w0 + block_bytes;
+  LaneAcc<M> acc;
+  for (auto& a : acc)
+    for (auto& r : a) r[0] = r[1] = Lanes16::zero();
+  for (int64_t b = 0; b < k / 32; ++b) {
+    const uint8_t* b0 = w0 + b * kQ4GroupBytes;
+    const uint8_t* b1 = w1 + b * kQ4GroupBytes;
+    const auto half = [](const uint8_t* p) { return reinterpret_cast<const uint16_t*>(p); };
+    const Lanes16 d0 = Lanes16::load_half(half(b0)), m0 = Lanes16::load_half(half(b0 + 32));
+    const Lanes16 d1 = Lanes16::load_half(half(b1)), m1 = Lanes16::load_half(half(b1 + 32));
+    for (int64_t s = 0; s < 16; ++s) {
+      Lanes16 q0[2], q1[2];  // levels of inputs 2 s and 2 s + 1
+      Lanes16::load_nibbles(b0 + 64 + 16 * s, q0[0], q0[1]);
+      Lanes16::load_nibbles(b1 + 64 + 16 * s, q1[0], q1[1]);
+      for (int64_t e = 0; e < 2; ++e)  // input 32 b + 2 s + e, an even one first
+        lanes_step<M>(acc[e % kLaneChains], x + 32 * b + 2 * s + e, k, fmadd(q0[e], d0, m0),
+                      fmadd(q1[e], d1, m1));
+    }
+  }
+  lanes_store<M>(acc, nullptr, y, n, g);
+}
+
+#else
+// The AVX2 form of q4_lanes_rows. 16 ymm registers cannot hold its accumulators, the two
+// groups' d and m and the levels being widened at once: GCC spilled accumulators to the stack,
+// a store and a reload on every multiply-add chain. Here a block's d and m are widened once into
+// a small buffer that the weight-rebuilding multiply-adds read as memory operands, so registers
+// hold the accumulators -- M rows x G groups x 2 halves, at most 8, what two FMA pipes of 4
+// cycles' latency need in flight -- and the levels being widened. Each channel's chain runs over
+// its inputs in order from zero, as f32_linear's (kLaneChains = 1 on AVX2): the same bits.
+// SmolLM2's 120 projections on a 2-core Zen 3, ms, against q4_lanes_rows: 1 row 8.4 / 8.7,
+// 2 rows 9.3 / 10.2, 4 rows 12.5 / 19.1, 8 rows 30 / 42 (docs/benchmarks.md, session 22).
+template <int64_t M, int64_t G>
+void q4_lanes_tile(const float* x, const uint8_t* w, float* y, int64_t k, int64_t n, int64_t g) {
+  static_assert(M * G * 2 <= 8, "accumulators beyond 8 ymm registers spill");
+  const int64_t nb = k / 32, group_bytes = nb * kQ4GroupBytes;
+  const __m256i low = _mm256_set1_epi32(15);
+  alignas(32) float dm[G][2][16];  // [group][d, m][channel]: the block's, widened
+  // The loops over rows, groups and halves are unrolled outright (pragmas), so that acc is
+  // indexed by constants only and lives in registers rather than in a stack array.
+  __m256 acc[M][G][2];
+#pragma GCC unroll 8
+  for (auto& r : acc)
+    for (auto& h : r) h[0] = h[1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk[G];
+#pragma GCC unroll 8
+    for (int64_t h = 0; h < G; ++h) {
+      blk[h] = w + (g + h) * group_bytes + b * kQ4GroupBytes;
+#pragma GCC unroll 4
+      for (int64_t t = 0; t < 4; ++t)
+        _mm256_store_ps(&dm[h][t / 2][8 * (t % 2)],
+                        _mm256_cvtph_ps(_mm_loadu_si128(
+                            reinterpret_cast<const __m128i*>(blk[h] + 16 * t))));
+    }
+    const float* xb = x + 32 * b;
+#pragma GCC unroll 1
+    for (int64_t s = 0; s < 16; ++s) {
+      // d and m are read from memory at every step: GCC would otherwise hoist them into
+      // registers, pushing the accumulators out. The empty asm hides that the pointer is fixed.
+      const float* dmp = &dm[0][0][0];
+      asm("" : "+r"(dmp));
+#pragma GCC unroll 8
+      for (int64_t h = 0; h < G; ++h) {
+        const uint8_t* p = blk[h] + 64 + 16 * s;
+        const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+        const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+        // [input 2 s + e][channels 0-7, 8-15]: low nibbles, then high
+        const __m256i q[2][2] = {{_mm256_and_si256(a, low), _mm256_and_si256(c, low)},
+                                 {_mm256_srli_epi32(a, 4), _mm256_srli_epi32(c, 4)}};
+#pragma GCC unroll 2
+        for (int64_t e = 0; e < 2; ++e)
+#pragma GCC unroll 2
+          for (int64_t half = 0; half < 2; ++half) {
+            const __m256 wv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[e][half]),
+                                              _mm256_load_ps(dmp + 32 * h + 8 * half),
+                                              _mm256_load_ps(dmp + 32 * h + 16 + 8 * half));
+#pragma GCC unroll 8
+            for (int64_t i = 0; i < M; ++i)
+              acc[i][h][half] = _mm256_fmadd_ps(wv, _mm256_broadcast_ss(xb + i * k + 2 * s + e),
+                                                acc[i][h][half]);
+          }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int64_t i = 0; i < M; ++i)
+#pragma GCC unroll 8
+    for (int64_t h = 0; h < G; ++h)
+#pragma GCC unroll 2
+      for (int64_t half = 0; half < 2; ++half)
+        _mm256_storeu_ps(y + i * n + (g + h) * 16 + 8 * half, acc[i][h][half]);
+}
+#endif
+
+template <int64_t M>
+void int4_lanes_rows(const float* x, const float* x_sum, const uint8_t* w, const uint16_t* sm,
+                     float* y, int64_t k, int64_t n, int64_t g) {
+  const int64_t nb = k / 32;
+  Lanes16 acc[M][2];
+  for (auto& r : acc) r[0] = r[1] = Lanes16::zero();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb[2] = {w + (g * nb + b) * 256, w + ((g + 1) * nb + b) * 256};
+    Lanes16 t[M][2][2];  // [row][group][low / high nibbles]: a block's sums before its scale
+    for (auto& r : t)
+      for (auto& h : r) h[0] = h[1] = Lanes16::zero();
+    for (int64_t j = 0; j < 16; ++j) {
+      Lanes16 lo[2], hi[2];
+      for (int64_t h = 0; h < 2; ++h) Lanes16::load_nibbles(wb[h] + j * 16, lo[h], hi[h]);
+      for (int64_t i = 0; i < M; ++i) {
+        const Lanes16 xl = Lanes16::all(x[i * k + b * 32 + j]);
+        const Lanes16 xh = Lanes16::all(x[i * k + b * 32 + 16 + j]);
+        for (int64_t h = 0; h < 2; ++h) {
+          t[i][h][0] = fmadd(lo[h], xl, t[i][h][0]);
+          t[i][h][1] = fmadd(hi[h], xh, t[i][h][1]);
+        }
+      }
+    }
+    for (int64_t h = 0; h < 2; ++h) {
+      const uint16_t* s = sm + ((g + h) * nb + b) * 32;
+      const Lanes16 scl = Lanes16::load_half(s), mn = Lanes16::load_half(s + 16);
+      for (int64_t i = 0; i < M; ++i) {
+        acc[i][h] = fmadd(scl, t[i][h][0] + t[i][h][1], acc[i][h]);
+        acc[i][h] = fmadd(mn, Lanes16::all(x_sum[i * nb + b]), acc[i][h]);
+      }
+    }
+  }
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t i = 0; i < M; ++i) acc[i][h].store(y + i * n + (g + h) * 16);
+}
+
+// Each row's sums over blocks of 32 inputs: x [rows, K] float32 -> [rows, K/32].
+std::vector<float> block_sums(const float* x, int64_t m, int64_t k) {
+  std::vector<float> sums(m * (k / 32));
+  for (int64_t b = 0; b < m * (k / 32); ++b) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t e = 0; e < 32; ++e) s += x[b * 32 + e];
+    sums[b] = s;
+  }
+  return sums;
+}
+
+// Runs `rows_fn<M>(row_offset, group)` over every group pair and every kLaneRows rows of x.
+template <typename RowsFn>
+void for_lane_tiles(int64_t m, int64_t n, RowsFn&& rows_fn) {
+  at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair)
+      for (int64_t i0 = 0; i0 < m; i0 += kLaneRows)
+        with_row_count<kLaneRows>(std::min<int64_t>(m - i0, kLaneRows),
+                       [&](auto rows) { rows_fn(rows, i0, 2 * pair); });
+  });
+}
+
+// The shared frame of the lanes matmuls: x in float32, y `[M, N]` float32 filled by
+// `rows_fn(rows, x_rows, y_rows, g)` for each tile of rows and pair of channel groups (see
+// for_lane_tiles), returned in x's dtype.
+template <class RowsFn>
+Tensor lanes_matmul(const Tensor& x, int64_t n, RowsFn&& rows_fn) {
+  const int64_t k = x.size(1), m = x.size(0);
+  const Tensor xf = x.to(at::kFloat);
+  Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for_lane_tiles(m, n, [&](auto rows, int64_t i0, int64_t g) {
+    rows_fn(rows, xp + i0 * k, yp + i0 * n, g);
+  });
+  return y.to(x.scalar_type());
+}
+
+Tensor int8_linear(const Tensor& x, const Tensor& w, const Tensor& scale) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == 16 && w.scalar_type() == at::kChar,
+              "int8_linear: w [N/16, K, 16] int8");
+  const int64_t k = w.size(1), n = w.size(0) * 16;
+  check_lanes_input(x, w, k, "int8_linear");
+  check_cpu_contiguous(scale, "int8_linear scale");
+  TORCH_CHECK(n % 32 == 0 && scale.scalar_type() == at::kFloat && scale.numel() == n,
+              "int8_linear: N a multiple of 32 and float32 scale [N]");
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  return lanes_matmul(x, n, [&](auto rows, const float* xr, float* yr, int64_t g) {
+    lanes_rows<decltype(rows)::value>(xr, wp, sp, yr, k, n, g);
+  });
+}
+
+// float32 weights in the lanes layout: where the engine serves float32, oneDNN's prepacked
+// matmul reads a decode step's weights at about 13 GB/s on a 2-core Zen 3, half what the cores
+// can stream.
+Tensor f32_linear(const Tensor& x, const Tensor& w) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == 16 && w.scalar_type() == at::kFloat,
+              "f32_linear: w [N/16, K, 16] float32");
+  const int64_t k = w.size(1), n = w.size(0) * 16;
+  check_lanes_input(x, w, k, "f32_linear");
+  TORCH_CHECK(n % 32 == 0, "f32_linear: N a multiple of 32");
+  const float* wp = w.data_ptr<float>();
+  return lanes_matmul(x, n, [&](auto rows, const float* xr, float* yr, int64_t g) {
+    lanes_rows<decltype(rows)::value>(xr, wp, static_cast<const float*>(nullptr), yr, k, n, g);
+  });
+}
+
+#if !defined(__AVX512F__)
+// Groups a q4_lanes_tile of M rows takes (as many as keep 8 accumulators).
+template <int64_t M> constexpr int64_t kQ4TileGroups = M == 1 ? 4 : M == 2 ? 2 : 1;
+
+// q4_lanes_linear's work on AVX2: each thread takes a contiguous run of channel-group pairs,
+// walks it 4 groups (64 channels) at a time and, within those, every chunk of up to 4 rows in
+// tiles of kQ4TileGroups<rows> groups, so a chunk after the first finds the levels in cache.
+void q4_lanes_tiles(const float* x, const uint8_t* w, float* y, int64_t m, int64_t k, int64_t n) {
+  at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g0 = 2 * begin; g0 < 2 * end; g0 += 4) {
+      const int64_t g1 = std::min<int64_t>(g0 + 4, 2 * end);
+      for (int64_t i0 = 0; i0 < m; i0 += 4)
+        with_row_count<4>(std::min<int64_t>(m - i0, 4), [&](auto rows) {
+          constexpr int64_t M = decltype(rows)::value, G = kQ4TileGroups<M>;
+          const float* xr = x + i0 * k;
+          float* yr = y + i0 * n;
+          for (int64_t g = g0; g < g1; g += G) {
+            if constexpr (G == 4)
+              if (g1 - g < 4) {  // a run's last pair
+                q4_lanes_tile<M, 2>(xr, w, yr, k, n, g);
+                break;
+              }
+            q4_lanes_tile<M, G>(xr, w, yr, k, n, g);
+          }
+        });
+    }
+  });
+}
+#endif
+
+// y = x W^T for x `[M, K]` float32 or bfloat16 against W's 4-bit levels `packed`
+// `[N / 16, K / 32, kQ4GroupBytes]` uint8 (q4_lanes_rows' layout); returns `[M, N]` in x's dtype:
+// f32_linear's result over the float32 weight the levels stand for, bit for bit.
+Tensor q4_lanes_linear(const Tensor& x, const Tensor& packed) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kQ4GroupBytes &&
+              packed.scalar_type() == at::kByte,
+              "q4_lanes_linear: packed weight [N/16, K/32, ", kQ4GroupBytes, "] uint8");
+  const int64_t k = packed.size(1) * 32, n = packed.size(0) * 16;
+  check_lanes_input(x, packed, k, "q4_lanes_linear");
+  TORCH_CHECK(n % 32 == 0, "q4_lanes_linear: N a multiple of 32");
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+#if defined(__AVX512F__)
+  return lanes_matmul(x, n, [&](auto rows, const float* xr, float* yr, int64_t g) {
+    q4_lanes_rows<decltype(rows)::value>(xr, wp, yr, k, n, g);
+  });
+#else
+  const Tensor xf = x.to(at::kFloat);
+  Tensor y = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+  q4_lanes_tiles(xf.data_ptr<float>(), wp, y.data_ptr<float>(), x.size(0), k, n);
+  return y.to(x.scalar_type());
+#endif
+}
+
+Tensor int4_linear(const Tensor& x, const Tensor& w, const Tensor& scale_min) {
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == 16 && w.size(3) == 16 && w.scalar_type() == at::kByte,
+              "int4_linear: w [N/16, K/32, 16, 16] uint8");
+  const int64_t k = w.size(1) * 32, n = w.size(0) * 16, m = x.size(0);
+  check_lanes_input(x, w, k, "int4_linear");
+  check_cpu_contiguous(scale_min, "int4_linear scale_min");
+  TORCH_CHECK(n % 32 == 0 && scale_min.scalar_type() == at::kHalf &&
+                  scale_min.numel() == n / 16 * (k / 32) * 32,
+              "int4_linear: N a multiple of 32 and float16 scale_min [N/16, K/32, 2, 16]");
+  const Tensor xf = x.to(at::kFloat);
+  Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  const std::vector<float> x_sum = block_sums(xp, m, k);
+  const float* xs = x_sum.data();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const uint16_t* smp = static_cast<const uint16_t*>(scale_min.data_ptr());
+  float* yp = y.data_ptr<float>();
+  for_lane_tiles(m, n, [&](auto rows, int64_t i0, int64_t g) {
+    int4_lanes_rows<decltype(rows)::value>(xp + i0 * k, xs + i0 * (k / 32), wp, smp,
+                                           yp + i0 * n, k, n, g);
+  });
+  return y.to(x.scalar_type());
+}
+#endif
+
+}  // namespace shoal

@@ -1,0 +1,622 @@
+// bfloat16 projections on weights packed in pairs of input channels: the packing, amx_linear
+// (AMX tiles), dp_linear and q4_linear (AVX512_BF16 dot products; q4_linear from GGUF's 4-bit
+// levels), and vnni_linear (W8A8's int8 dot products in dp_linear's tiles).
+
+#include "common.h"
+#include "ops.h"
+
+#include <ATen/ops/zeros.h>
+
+namespace shoal {
+
+#ifdef SHOAL_BF16_PAIRS
+// ---------------------------------------------------------------------------------------------
+// bfloat16 projections `y = x W^T` against weights packed in pairs of input channels, the layout
+// both AMX tiles (amx_linear) and AVX512_BF16 dot products (dp_linear), below, consume:
+// `[N / 16][K / 32][16 pairs of K][16 columns][2]` (N and K multiples of 32), that is, for each
+// block of 16 output channels its K / 2 pairs in order, each pair of the 16 channels one 64-byte
+// vector (the B operand of tdpbf16ps and of vdpbf16ps).
+// ---------------------------------------------------------------------------------------------
+Tensor pack_weight_pairs(const Tensor& w) {
+  check_cpu_contiguous(w, "weight");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "weight [N, K] bfloat16");
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(n % 32 == 0 && k % 32 == 0, "packed weights need N and K multiples of 32, got ",
+              n, " x ", k);
+  Tensor out = at::empty({n / 16, k / 32, 16, 16, 2}, w.options());
+  const uint16_t* src = ptr<uint16_t>(w);
+  uint16_t* dst = ptr<uint16_t>(out);
+  at::parallel_for(0, n / 16, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb)
+      for (int64_t kb = 0; kb < k / 32; ++kb) {
+        uint16_t* tile = dst + (nb * (k / 32) + kb) * 512;
+        for (int64_t r = 0; r < 16; ++r)
+          for (int64_t c = 0; c < 16; ++c)
+            for (int64_t e = 0; e < 2; ++e)
+              tile[(r * 16 + c) * 2 + e] = src[(nb * 16 + c) * k + kb * 32 + 2 * r + e];
+      }
+  });
+  return out;
+}
+
+// x `[M, K]` bfloat16, contiguous, checked against a weight packed by pack_weight_pairs; N.
+std::tuple<Tensor, int64_t> pair_linear_input(const Tensor& x_in, const Tensor& packed) {
+  TORCH_CHECK(x_in.device().is_cpu(), "x must be on the CPU");
+  Tensor x = x_in.contiguous();
+  check_cpu_contiguous(packed, "packed weight");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
+              "x and the weight must be bfloat16");
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 5 && packed.size(1) * 32 == x.size(1),
+              "x [M, K] against a weight packed by pack_weight_pairs for K = ", packed.size(1) * 32);
+  return {x, packed.size(0) * 16};
+}
+#endif
+
+#ifdef SHOAL_AMX
+// ---------------------------------------------------------------------------------------------
+// bfloat16 projections on AMX tiles, `y = x W^T`, for iterations of up to about a thousand rows
+// (worker/linear.py decides; oneDNN keeps larger ones). A decode iteration is bound by reading
+// the weights (SmolLM2: 269 MB a step): oneDNN's kernels read them at about 22 GB/s at 1 row and
+// take 40% longer at 64 rows. Here the weights lie in the order the tiles consume them, each
+// thread streams its own contiguous share once, and every 1 KB weight tile serves up to 32 rows
+// straight from memory (then the rest of the rows from cache), so a step stays near the memory's
+// pace up to 64 rows. Weights packed by pack_weight_pairs (above).
+// ---------------------------------------------------------------------------------------------
+
+// A stored accumulator tile c (16 x 16 float32) into rows [16 i, 16 i + 16) (up to row m) and
+// output channels [16 nb, 16 nb + 16) of y.
+inline void store_rows(const float* c, uint16_t* y, int64_t m, int64_t n, int64_t i, int64_t nb) {
+  const int64_t rows = std::min<int64_t>(16, m - 16 * i);
+  for (int64_t r = 0; r < rows; ++r) store16(y + (16 * i + r) * n + nb * 16, load16(c + r * 16));
+}
+// (Tile numbers must be literals: _tile_stored is a macro naming the register.)
+#define SHOAL_STORE_TILE(T, i, nb) \
+  _tile_stored(T, c, 64);          \
+  store_rows(c, y, m, n, i, nb)
+
+// One pair of output blocks (weights w0, w1: K / 32 tiles each) for MB (1 or 2) blocks of 16
+// rows of x: every tile of x loaded serves both weight tiles. Accumulators tmm0-3 are
+// (rows 0-15, w0), (rows 16-31, w0), (rows 0-15, w1), (rows 16-31, w1). Meanwhile `pf_lines`
+// 64-byte lines from `pf` (a slice of the next pair's weights) are asked for into L2, spread
+// over the K / 32 steps.
+template <int MB>
+inline void amx_pair(const uint16_t* x, const uint16_t* w0, const uint16_t* w1, uint16_t* y,
+                     int64_t m, int64_t k, int64_t n, int64_t nb, float* c, const char* pf,
+                     int64_t pf_lines) {
+  _tile_zero(0);
+  _tile_zero(2);
+  if (MB > 1) { _tile_zero(1); _tile_zero(3); }
+  const int64_t kt = k / 32;
+  int64_t due = 0;
+  for (int64_t j = 0; j < kt; ++j) {
+    _tile_loadd(6, w0 + j * 512, 64);
+    _tile_loadd(7, w1 + j * 512, 64);
+    _tile_loadd(4, x + j * 32, k * 2);
+    prefetch_step<2>(pf, due, pf_lines, kt);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 4, 7);
+    if (MB > 1) {
+      _tile_loadd(5, x + 16 * k + j * 32, k * 2);
+      _tile_dpbf16ps(1, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  SHOAL_STORE_TILE(0, 0, nb);
+  SHOAL_STORE_TILE(2, 0, nb + 1);
+  if (MB > 1) {
+    SHOAL_STORE_TILE(1, 1, nb);
+    SHOAL_STORE_TILE(3, 1, nb + 1);
+  }
+}
+
+// Rows of x per pass over the weights: they stay in L2 while every output block of the thread's
+// range is computed for them.
+constexpr int64_t kAmxRowBlock = 256;
+
+// Output blocks [begin, end) (an even range) for all m rows of x (padded to 16-row tiles), 32
+// rows at a time: past the first 32 the pair's weight tiles come from cache, not memory.
+//
+// Past 16 rows each pair also asks for the next pair's weights into L2, spread over its row
+// tiles: the tile loads wait on the tile products before them (there are 8 tile registers and no
+// renaming), so with more than one row tile the hardware prefetcher's stream fell behind. All of
+// SmolLM2's 120 projections from DRAM, medians of interleaved runs (2-core Xeon with AMX): 32 rows
+// 11.7 -> 10.9 ms, 48 rows 13.6 -> 12.7, 64 rows 14.7 -> 14.2, 128 rows 21.6 -> 20.9; W64
+// in-process 2.88-2.95 -> 2.76-2.82 s. At 1-16 rows (one row tile, the stream already at the
+// memory's pace) it cost 1-6%, so it is left out there.
+void amx_linear_blocks(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m, int64_t k,
+                       int64_t n, int64_t begin, int64_t end) {
+  static const TileConfig config;
+  _tile_loadconfig(&config);
+  const int64_t kt = k / 32;
+  const int64_t pair = 2 * kt * 512;            // elements of a pair's weights
+  const int64_t pair_lines = pair * 2 / 64;     // ... in 64-byte lines
+  alignas(64) float c[16 * 16];
+  for (int64_t m0 = 0; m0 < m; m0 += kAmxRowBlock) {  // these rows of x stay in cache
+    const int64_t m1 = std::min(m, m0 + kAmxRowBlock);
+    const int64_t tiles = (m1 - m0 + 31) / 32;
+    for (int64_t nb = begin; nb < end; nb += 2) {
+      const uint16_t* w0 = w + nb * kt * 512;
+      const char* pf = m > 16 && nb + 2 < end ? reinterpret_cast<const char*>(w0 + pair) : nullptr;
+      int64_t t = 0;
+      for (int64_t r = m0; r < m1; r += 32, ++t) {
+        const int64_t lines = pf ? share(pair_lines, tiles, t) : 0;
+        if (m - r > 16)
+          amx_pair<2>(x + r * k, w0, w0 + kt * 512, y + r * n, m - r, k, n, nb, c, pf, lines);
+        else
+          amx_pair<1>(x + r * k, w0, w0 + kt * 512, y + r * n, m - r, k, n, nb, c, pf, lines);
+        if (pf) pf += 64 * lines;
+      }
+    }
+  }
+  _tile_release();
+}
+#undef SHOAL_STORE_TILE
+
+// y = x W^T for x `[M, K]` bfloat16 (any M >= 1) against W packed by pack_weight_pairs; returns
+// `[M, N]` bfloat16 (float32 accumulation).
+Tensor amx_linear(const Tensor& x_in, const Tensor& packed) {
+  const auto [x, n] = pair_linear_input(x_in, packed);
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(m >= 1, "amx_linear needs at least one row");
+  TORCH_CHECK(amx_permitted(), "AMX is not available to this process");
+  const int mb = static_cast<int>((m + 15) / 16);
+  // Rows padded to whole tiles with zeros (their products are never stored).
+  Tensor xp = x;
+  if (m % 16) {
+    xp = at::zeros({16 * mb, k}, x.options());
+    xp.narrow(0, 0, m).copy_(x);
+  }
+  Tensor y = at::empty({m, n}, x.options());
+  const uint16_t* xq = ptr<uint16_t>(xp);
+  const uint16_t* wq = ptr<uint16_t>(packed);
+  uint16_t* yq = ptr<uint16_t>(y);
+  // One contiguous run of output blocks per thread: each streams its share of the weights once.
+  const int64_t pairs = n / 32, threads = at::get_num_threads();
+  at::parallel_for(0, pairs, (pairs + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    amx_linear_blocks(xq, wq, yq, m, k, n, 2 * begin, 2 * end);
+  });
+  return y;
+}
+#endif
+
+#ifdef SHOAL_BF16_PAIRS
+
+// y = x W^T with dot products on 4-byte groups of the reduced dimension, for CPUs without AMX:
+// `vdpbf16ps` on pairs of bfloat16 (dp_linear) and `vpdpbusd` on quads of int8 (vnni_linear,
+// W8A8). The weights are packed `[N / 16][K / group][16][group]`, so one 64-byte vector holds a
+// group of input channels for 16 output channels; a 4-byte group of x broadcast to all lanes
+// against it adds 32 (bfloat16) or 64 (int8) products. A tile is MR rows x NR blocks of
+// accumulators; each weight vector loaded serves MR rows, and the weights stream from memory
+// about once per pass of rows, as in a GEMV. Pointers are bytes and a "step" is one 4-byte group
+// of every row (K / 2 for bfloat16, K / 4 for int8), so the loop, the prefetch and the work split
+// below serve both.
+constexpr int64_t kDpRows = 8, kDpBlocks = 3;
+constexpr int64_t kDpSiluRows = 6, kDpSiluBlocks = 4;
+
+// The arithmetic of a tile (`Op` below): its accumulator and operand vector types, and one
+// multiply-add of a broadcast 4-byte group of x against a vector of weights. Here bfloat16
+// pairs into float32 accumulators.
+struct Bf16Pairs {
+  using Acc = __m512;
+  using Vec = __m512bh;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Vec load(const char* w) { return (Vec)_mm512_loadu_si512(w); }
+  static Vec group(const char* x) { return broadcast_pair(reinterpret_cast<const uint16_t*>(x)); }
+  static Acc add(Acc acc, Vec x, Vec w) { return _mm512_dpbf16_ps(acc, x, w); }
+};
+
+#if defined(__AVX512VNNI__)
+// Quads of unsigned x bytes against signed weight bytes into int32 accumulators (vpdpbusd).
+// W8A8's activations are signed; vnni_linear takes them offset by 128 (their top bit flipped),
+// and its store subtracts 128 times each output channel's weight sum: exact in int32. The types
+// are the builtin's own `__v16si`: with `__m512i` accumulators cast at each use GCC 12 kept the
+// 24 of a tile in memory (a loop from L1 on a Zen 4: 176 GOP/s, against 438; the peak is 459).
+struct Uint8Quads {
+  using Acc = __v16si;
+  using Vec = __v16si;
+  static Acc zero() { return (Acc)_mm512_setzero_si512(); }
+  static Vec load(const char* w) { return (Vec)_mm512_loadu_si512(w); }
+  static Vec group(const char* x) { return (Vec)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x)); }
+  static Acc add(Acc acc, Vec x, Vec w) { return __builtin_ia32_vpdpbusd_v16si(acc, x, w); }
+};
+#endif
+
+// The output of a tile: MR rows x NR blocks of float32 accumulators, rows from r and blocks from
+// nb. DpStore rounds them to bfloat16 in y `[M, N]`.
+struct DpStore {
+  uint16_t* y;
+  int64_t n;  // width of y
+  template <int64_t MR, int64_t NR>
+  void operator()(const __m512 (&acc)[MR][NR], int64_t r, int64_t nb) const {
+    for (int64_t i = 0; i < MR; ++i)
+      for (int64_t j = 0; j < NR; ++j)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (r + i) * n + (nb + j) * 16),
+                            (__m256i)_mm512_cvtneps_pbh(acc[i][j]));
+  }
+};
+
+// SwiGLU's product straight from the accumulators of a fused gate/up projection whose blocks
+// alternate gate and up (pack_weight_pairs of swiglu_interleave's order): block 2c holds gate
+// channels 16c..16c+15 and block 2c + 1 the same up channels, so y `[M, N / 2]` gets
+// silu(gate) * up computed in float32 and rounded once. The `[M, N]` gate/up product is never
+// written: at 2,048 rows that is 12 MB out and back per layer, which the separate
+// silu_and_mul pass spent 0.75 ms a layer on.
+struct DpSiluStore {
+  uint16_t* y;
+  int64_t n;  // width of y: N / 2
+  template <int64_t MR, int64_t NR>
+  void operator()(const __m512 (&acc)[MR][NR], int64_t r, int64_t nb) const {
+    static_assert(NR % 2 == 0, "gate and up blocks come in pairs");
+    for (int64_t i = 0; i < MR; ++i)
+      for (int64_t j = 0; j < NR; j += 2)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (r + i) * n + (nb + j) / 2 * 16),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu16(acc[i][j]), acc[i][j + 1])));
+  }
+};
+
+// int32 accumulators of vnni_linear back to float32 for `Inner` (DpStore or DpSiluStore):
+// (acc - 128 * col_sum) * (row_scale * col_scale), in the order dequantize_rows multiplies, so
+// the two W8A8 paths give the same values.
+template <class Inner>
+struct DequantStore {
+  const float* row_scale;  // [M]
+  const float* col_scale;  // [N]
+  const int32_t* col_sum;  // [N]
+  Inner inner;
+  template <int64_t MR, int64_t NR>
+  void operator()(const __v16si (&acc)[MR][NR], int64_t r, int64_t nb) const {
+    __m512 f[MR][NR];
+    for (int64_t j = 0; j < NR; ++j) {
+      const __m512 cs = _mm512_loadu_ps(col_scale + (nb + j) * 16);
+      const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(col_sum + (nb + j) * 16), 7);
+      for (int64_t i = 0; i < MR; ++i)
+        f[i][j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32((__m512i)acc[i][j], offset)),
+                                _mm512_mul_ps(_mm512_set1_ps(row_scale[r + i]), cs));
+    }
+    inner(f, r, nb);
+  }
+};
+
+// MR rows from r of x against blocks [nb, nb + NR) of the weights. While the step loop runs it
+// also asks for `pf_lines` 64-byte lines from `pf` (a slice of the next tile's weights) into L1,
+// one every steps / pf_lines steps, so the requests spread over the tile's compute.
+template <class Op, int64_t MR, int64_t NR, class Store>
+inline void dp_linear_tile(const char* x, const char* w, int64_t row_bytes, int64_t r, int64_t nb,
+                           const char* pf, int64_t pf_lines, const Store& store) {
+  typename Op::Acc acc[MR][NR];
+  for (int64_t i = 0; i < MR; ++i)
+    for (int64_t j = 0; j < NR; ++j) acc[i][j] = Op::zero();
+  const int64_t steps = row_bytes / 4;
+  const char* xr = x + r * row_bytes;
+  int64_t due = 0;
+  for (int64_t p = 0; p < steps; ++p) {
+    typename Op::Vec wv[NR];
+    for (int64_t j = 0; j < NR; ++j) wv[j] = Op::load(w + ((nb + j) * steps + p) * 64);
+    prefetch_step<3>(pf, due, pf_lines, steps);
+    for (int64_t i = 0; i < MR; ++i) {
+      const typename Op::Vec xg = Op::group(xr + i * row_bytes + 4 * p);
+      for (int64_t j = 0; j < NR; ++j) acc[i][j] = Op::add(acc[i][j], xg, wv[j]);
+    }
+  }
+  store(acc, r, nb);
+}
+
+// The last `rem` (< MR) rows of a pass: a tile of exactly that many rows.
+template <class Op, int64_t MR, int64_t NR, class Store>
+inline void dp_linear_tail(int64_t rem, const char* x, const char* w, int64_t row_bytes, int64_t r,
+                           int64_t nb, const char* pf, int64_t pf_lines, const Store& store) {
+  if constexpr (MR > 0) {
+    if (rem == MR) dp_linear_tile<Op, MR, NR>(x, w, row_bytes, r, nb, pf, pf_lines, store);
+    else dp_linear_tail<Op, MR - 1, NR>(rem, x, w, row_bytes, r, nb, pf, pf_lines, store);
+  }
+}
+
+// Row tiles over which the next weight tile's prefetch is spread. All of it in the first row
+// tile, as before, asked for 55 KB at once from DRAM at the compute's pace; spread over up to 8
+// (A/B in one process, SmolLM2's 120 projections from DRAM, 2-core Zen 5): 16 rows 7.32 -> 6.37
+// ms, 32 rows 10.86 -> 10.05, 64 rows 17.73 -> 16.40, 128 rows 31.7 -> 30.6, 1-8 rows within
+// noise; into L1 (prefetcht0) 2-5% ahead of L2.
+constexpr int64_t kDpPrefetchSpread = 8;
+
+// Rows [r0, r1) of x against blocks [nb, nb + NR): MR rows at a time, the weights (NR x 16 x
+// row_bytes, 55 KB for bfloat16, K = 576 and NR = 3) staying in L1/L2 while the rows pass.
+// Meanwhile the next tile's weights (`next`, or none) are prefetched, spread over the first
+// kDpPrefetchSpread row tiles (the hardware prefetcher alone left 64-row iterations 10% slower).
+template <class Op, int64_t MR, int64_t NR, class Store>
+void dp_linear_rows(const char* x, const char* w, int64_t row_bytes, int64_t r0, int64_t r1,
+                    int64_t nb, const char* next, const Store& store) {
+  const int64_t tiles = (r1 - r0 + MR - 1) / MR;
+  const int64_t spread = std::min(tiles, kDpPrefetchSpread);
+  const int64_t lines = next != nullptr ? NR * row_bytes / 4 : 0;  // 64 bytes per step of a block
+  const char* pf = next;
+  // Row tile t asks for lines [t * lines / spread, (t + 1) * lines / spread).
+  auto slice = [&](int64_t t) { return t < spread ? share(lines, spread, t) : 0; };
+  int64_t r = r0, t = 0;
+  for (; r + MR <= r1; r += MR, ++t) {
+    dp_linear_tile<Op, MR, NR>(x, w, row_bytes, r, nb, pf, slice(t), store);
+    pf += 64 * slice(t);
+  }
+  dp_linear_tail<Op, MR - 1, NR>(r1 - r, x, w, row_bytes, r, nb, pf, slice(t), store);
+}
+
+// Items [0, items) handed out to `threads` threads as they come free: `fn(item, next)` runs each,
+// `next` being the item the same thread takes after it (items or more: none), claimed first so
+// that `fn` can prefetch its weights (dp_linear_run below says why items, not halves).
+template <class Fn>
+void run_items(int64_t items, int64_t threads, Fn&& fn) {
+  std::atomic<int64_t> claimed{0};
+#pragma omp parallel num_threads(threads)
+  {
+    for (int64_t item = claimed.fetch_add(1); item < items;) {
+      const int64_t next = claimed.fetch_add(1);
+      fn(item, next);
+      item = next;
+    }
+  }
+}
+
+// Bytes of x per pass over the weights: those rows stay in L2 (1 MB on Zen 5) while the
+// weights pass; more rows are taken in several passes, each streaming the weights again.
+constexpr int64_t kDpRowBytes = 256 << 10;
+// Work items per thread in each pass (see dp_linear_run).
+constexpr int64_t kDpItemsPerThread = 4;
+
+// y = x W^T over `blocks` 16-channel output blocks, NR blocks to a tile, written by `store`;
+// x is `m` rows of `row_bytes`, and a block of the weights 16 x row_bytes.
+// The work is cut into items (a pass of rows x a group of tiles) that the threads take one at a
+// time: on a machine whose cores the gateway, the scheduler and Redis also need, the thread that
+// another process preempts holds back only its current items, where an even split up front made
+// the other thread wait at the end of every matmul for the preempted one's whole half. Each
+// thread claims its next item before it runs the current one, so the current item's last tile
+// prefetches the next item's first weights: with items of 1-2 tiles (decode's projections) most
+// tiles otherwise began with a cold read from DRAM (A/B in one process, SmolLM2's 120
+// projections, 2-core Zen 5: 16 rows 5.87 -> 4.97 ms, 32 rows 8.98 -> 7.72, 64 rows 15.4 -> 14.2,
+// 128 rows 29.1 -> 27.9; as fast as contiguous halves per thread).
+template <class Op, int64_t MR, int64_t NR, class Store>
+void dp_linear_run(const char* x, const char* w, int64_t m, int64_t row_bytes, int64_t blocks,
+                   const Store& store) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t block_bytes = 16 * row_bytes;
+  const int64_t rows = std::max<int64_t>(MR, kDpRowBytes / row_bytes / MR * MR);
+  const int64_t passes = (m + rows - 1) / rows;
+  const int64_t tiles = (blocks + NR - 1) / NR;
+  const int64_t per_group = std::max<int64_t>(1, tiles / (threads * kDpItemsPerThread));
+  const int64_t groups = (tiles + per_group - 1) / per_group;
+  const int64_t items = passes * groups;
+  auto first_block = [&](int64_t item) { return item % groups * per_group * NR; };
+  // Item `item`; `after` is the weights of the item this thread runs next (or null).
+  auto run = [&](int64_t item, const char* after) {
+    const int64_t r0 = item / groups * rows, r1 = std::min(m, r0 + rows);
+    const int64_t b0 = first_block(item), b1 = std::min(blocks, b0 + per_group * NR);
+    int64_t nb = b0;
+    for (; nb + NR <= b1; nb += NR)
+      dp_linear_rows<Op, MR, NR>(x, w, row_bytes, r0, r1, nb,
+                                 nb + NR < b1 ? w + (nb + NR) * block_bytes : after, store);
+    // The last blocks when NR does not divide them. N is a multiple of 32, so the blocks are
+    // even: with an even NR (gate/up pairs) the rest is 2 blocks, never 1.
+    if constexpr (NR > 2) {
+      if (b1 - nb == 2) dp_linear_rows<Op, MR, 2>(x, w, row_bytes, r0, r1, nb, nullptr, store);
+    }
+    if constexpr (NR % 2 == 1) {
+      if (b1 - nb == 1) dp_linear_rows<Op, MR, 1>(x, w, row_bytes, r0, r1, nb, nullptr, store);
+    }
+  };
+  run_items(items, threads, [&](int64_t item, int64_t next) {
+    run(item, next < items ? w + first_block(next) * block_bytes : nullptr);
+  });
+}
+
+inline const char* bytes(const Tensor& t) { return static_cast<const char*>(t.data_ptr()); }
+
+// y = x W^T for x `[M, K]` bfloat16 (any M) against W packed by pack_weight_pairs; returns
+// `[M, N]` bfloat16 (float32 accumulation, rounded once).
+Tensor dp_linear(const Tensor& x_in, const Tensor& packed) {
+  const auto [x, n] = pair_linear_input(x_in, packed);
+  const int64_t m = x.size(0), k = x.size(1);
+  Tensor y = at::empty({m, n}, x.options());
+  dp_linear_run<Bf16Pairs, kDpRows, kDpBlocks>(bytes(x), bytes(packed), m, 2 * k, n / 16,
+                                               DpStore{ptr<uint16_t>(y), n});
+  return y;
+}
+
+// silu(x G^T) * (x U^T) for x `[M, K]` bfloat16 against a fused gate/up weight `[2I, K]` whose
+// 16-row blocks were interleaved (gate block c, then up block c) before pack_weight_pairs;
+// returns `[M, I]` bfloat16 (float32 accumulation and SwiGLU, rounded once). 6 rows x 4 blocks
+// of accumulators: two gate blocks, each beside its up block.
+Tensor dp_linear_silu(const Tensor& x_in, const Tensor& packed) {
+  const auto [x, n] = pair_linear_input(x_in, packed);
+  const int64_t m = x.size(0), k = x.size(1);
+  Tensor y = at::empty({m, n / 2}, x.options());
+  dp_linear_run<Bf16Pairs, kDpSiluRows, kDpSiluBlocks>(bytes(x), bytes(packed), m, 2 * k, n / 16,
+                                                       DpSiluStore{ptr<uint16_t>(y), n / 2});
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// bfloat16 projections of a few rows from GGUF's 4-bit weights (Q4_0, Q4_1), with dp_linear's
+// result to the bit. The file holds levels q (0-15) in groups of 32 input channels, each group
+// with a scale d and a minimum m (float16; Q4_0: m = -8 d), and the engine's bfloat16 weight is
+// bfloat16(float32(d) q + float32(m)): gguf's dequantization, then torch's rounding to nearest
+// even. q4_linear rebuilds each 64-byte vector of pack_weight_pairs' layout from the levels in
+// registers (d q is exact in float32, so one FMA rounds as the multiply-then-add did, and
+// vcvtne2ps2bf16 rounds to nearest even as torch does) and runs dp_linear's vdpbf16ps steps in
+// dp_linear's order: the same bits from 5 bits a weight instead of 16, for iterations bound by
+// reading the weights (a decode step streams SmolLM2's 213 MB of projections, 67 MB this way).
+//
+// Layout (worker/linear.py `pack_q4_pairs`): for each block of 16 output channels, K / 32
+// groups of kQ4GroupBytes: d[16] and m[16] float16, then 16 steps of 16 bytes. Step s's byte j
+// holds in its low nibble the level of channel j / 2 at input 32 g + 2 s + j % 2 and in its high
+// nibble that of channel 8 + j / 2: widened to 32-bit lanes and split, the two halves are the
+// low and the high 16 words vcvtne2ps2bf16 writes, which then lie in dp_linear's pair order.
+// ---------------------------------------------------------------------------------------------
+// Tiles (rows x 16-channel blocks). Decoding the levels costs more than the dot products, so a
+// tile holds every row (up to 8) and each step is decoded once. A block's steps are a chain of
+// vdpbf16ps (dp_linear's order, which must be kept), so 1-2 rows take several blocks at a time:
+// six, which also splits SmolLM2's 36, 60 and 192 blocks evenly between two threads. Its 120
+// projections, 2-core Zen 4: 1 row in tiles of 2 blocks 6.0 ms, of 4 to 12 blocks 4.3-4.7 (the
+// decoding bounds it), 6 blocks against 4 in turns 4.64-4.95 against 5.13-5.47; 5 / 6 / 8 rows
+// in tiles of 4 rows (then 1-4) 10.6 / 11.0 / 11.9 ms, of 8 rows 7.6 / 8.1 / 9.0.
+constexpr int64_t kQ4FewRows = 2, kQ4FewBlocks = 6;
+constexpr int64_t kQ4Rows = 8, kQ4Blocks = 2;
+
+// A group's d and m in the lanes of its steps' two halves: lanes 2c and 2c + 1 hold channel c
+// (low half) or 8 + c (high half).
+struct Q4Scales {
+  __m512 d_lo, m_lo, d_hi, m_hi;
+};
+
+inline Q4Scales q4_scales(const char* group) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group)));
+  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 32)));
+  const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+  return {_mm512_permutexvar_ps(lo, d), _mm512_permutexvar_ps(lo, m),
+          _mm512_permutexvar_ps(hi, d), _mm512_permutexvar_ps(hi, m)};
+}
+
+// The 32 bfloat16 weights of one step (16 channels x a pair of inputs) from its 16 bytes.
+inline __m512bh q4_step(const char* step, const Q4Scales& g) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(step)));
+  const __m512i q_lo = _mm512_and_si512(v, _mm512_set1_epi32(15));
+  const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q_lo), g.d_lo, g.m_lo);
+  const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), g.d_hi, g.m_hi);
+  return _mm512_cvtne2ps_pbh(hi, lo);  // words 0-15 from lo, 16-31 from hi
+}
+
+// MR rows from r of x (`row_bytes` = 2 K bytes each) against blocks [nb, nb + NR).
+template <int64_t MR, int64_t NR, class Store>
+inline void q4_linear_tile(const char* x, const char* w, int64_t row_bytes, int64_t r, int64_t nb,
+                           const Store& store) {
+  const int64_t groups = row_bytes / 64, block_bytes = groups * kQ4GroupBytes;
+  __m512 acc[MR][NR];
+  for (int64_t i = 0; i < MR; ++i)
+    for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const char* xr = x + r * row_bytes;
+  for (int64_t g = 0; g < groups; ++g) {
+    const char* wg[NR];
+    Q4Scales sc[NR];
+    for (int64_t j = 0; j < NR; ++j) {
+      wg[j] = w + (nb + j) * block_bytes + g * kQ4GroupBytes;
+      sc[j] = q4_scales(wg[j]);
+    }
+    for (int64_t s = 0; s < 16; ++s) {
+      __m512bh wv[NR];
+      for (int64_t j = 0; j < NR; ++j) wv[j] = q4_step(wg[j] + 64 + 16 * s, sc[j]);
+      const int64_t p = 16 * g + s;  // the pair of inputs, as in dp_linear_tile
+      for (int64_t i = 0; i < MR; ++i) {
+        const __m512bh xg = broadcast_pair(reinterpret_cast<const uint16_t*>(xr + i * row_bytes + 4 * p));
+        for (int64_t j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xg, wv[j]);
+      }
+    }
+  }
+  store(acc, r, nb);
+}
+
+// The last `rem` (< MR) rows: a tile of exactly that many rows.
+template <int64_t MR, int64_t NR, class Store>
+inline void q4_linear_tail(int64_t rem, const char* x, const char* w, int64_t row_bytes, int64_t r,
+                           int64_t nb, const Store& store) {
+  if constexpr (MR > 0) {
+    if (rem == MR) q4_linear_tile<MR, NR>(x, w, row_bytes, r, nb, store);
+    else q4_linear_tail<MR - 1, NR>(rem, x, w, row_bytes, r, nb, store);
+  }
+}
+
+// All m rows of x against blocks [nb, nb + NR), MR rows at a time (one tile where m <= MR, as
+// worker/linear.py's Q4_MAX_ROWS keeps it).
+template <int64_t MR, int64_t NR, class Store>
+inline void q4_linear_rows(const char* x, const char* w, int64_t m, int64_t row_bytes, int64_t nb,
+                           const Store& store) {
+  int64_t r = 0;
+  for (; r + MR <= m; r += MR) q4_linear_tile<MR, NR>(x, w, row_bytes, r, nb, store);
+  q4_linear_tail<MR - 1, NR>(m - r, x, w, row_bytes, r, nb, store);
+}
+
+// y = x W^T over `blocks` (even) 16-channel blocks, in tiles of NR blocks (the last blocks in
+// tiles of 2 where NR does not divide them), handed out to the threads in items as
+// dp_linear_run does.
+template <int64_t MR, int64_t NR, class Store>
+void q4_linear_run(const char* x, const char* w, int64_t m, int64_t row_bytes, int64_t blocks,
+                   const Store& store) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t tiles = blocks / NR, rest = (blocks - tiles * NR) / 2;
+  const int64_t per_item = std::max<int64_t>(1, tiles / (threads * kDpItemsPerThread));
+  const int64_t items = (tiles + per_item - 1) / per_item;
+  run_items(items + rest, threads, [&](int64_t item, int64_t) {
+    if (item >= items) {  // a tile of the last 2 blocks
+      q4_linear_rows<MR, 2>(x, w, m, row_bytes, tiles * NR + 2 * (item - items), store);
+      return;
+    }
+    for (int64_t t = item * per_item, end = std::min(tiles, t + per_item); t < end; ++t)
+      q4_linear_rows<MR, NR>(x, w, m, row_bytes, t * NR, store);
+  });
+}
+
+// y = x W^T for x `[M, K]` bfloat16 against `packed` `[N / 16, K / 32, kQ4GroupBytes]` uint8
+// (pack_q4_pairs); returns `[M, N]` bfloat16, or with `silu_and_mul` (gate and up blocks
+// interleaved, as for dp_linear_silu) `[M, N / 2]` silu(gate) * up: what dp_linear and
+// dp_linear_silu return for the bfloat16 weight the levels stand for, bit for bit.
+Tensor q4_linear(const Tensor& x_in, const Tensor& packed, bool silu_and_mul) {
+  TORCH_CHECK(x_in.device().is_cpu(), "x must be on the CPU");
+  const Tensor x = x_in.contiguous();
+  check_cpu_contiguous(packed, "packed weight");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "x must be bfloat16 [M, K]");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 &&
+              packed.size(2) == kQ4GroupBytes && packed.size(1) * 32 == x.size(1),
+              "packed weight [N / 16, K / 32, ", kQ4GroupBytes, "] uint8 for K = ", x.size(1));
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * 16;
+  TORCH_CHECK(n % 32 == 0, "N must be a multiple of 32");
+  Tensor y = at::empty({m, silu_and_mul ? n / 2 : n}, x.options());
+  auto run = [&](const auto& store) {
+    if (m <= kQ4FewRows)
+      q4_linear_run<kQ4FewRows, kQ4FewBlocks>(bytes(x), bytes(packed), m, 2 * k, n / 16, store);
+    else q4_linear_run<kQ4Rows, kQ4Blocks>(bytes(x), bytes(packed), m, 2 * k, n / 16, store);
+  };
+  if (silu_and_mul) run(DpSiluStore{ptr<uint16_t>(y), n / 2});
+  else run(DpStore{ptr<uint16_t>(y), n});
+  return y;
+}
+
+#if defined(__AVX512VNNI__)
+// W8A8's matmul with its dequantization: x `[M, K]` uint8, the int8 activations of quantize_rows
+// plus 128 (top bit flipped), with row_scale `[M]` float32, against `packed`
+// `[N / 16, K / 4, 16, 4]` int8 (a weight `[N, K]` quantized per output channel, each block of 16
+// channels' quads of K in order) with col_scale and col_sum `[N]` (float32 scales, int32 sums of
+// each channel's int8 weights). Returns `[M, N]` bfloat16
+// `acc * row_scale * col_scale`, or with `silu_and_mul` (blocks interleaved gate / up, as for
+// dp_linear_silu) `[M, N / 2]` silu(gate) * up: the values `torch._int_mm` and dequantize_rows
+// give, without their `[M, N]` int32 product in memory.
+Tensor vnni_linear(const Tensor& x_in, const Tensor& row_scale, const Tensor& packed,
+                   const Tensor& col_scale, const Tensor& col_sum, bool silu_and_mul) {
+  const Tensor x = x_in.contiguous();
+  for (const Tensor* t : {&row_scale, &packed, &col_scale, &col_sum})
+    check_cpu_contiguous(*t, "vnni_linear argument");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kByte && x.dim() == 2,
+              "x must be uint8 [M, K] on the CPU");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == 16 &&
+              packed.size(3) == 4 && packed.size(1) * 4 == x.size(1),
+              "packed weight [N / 16, K / 4, 16, 4] int8 for K = ", x.size(1));
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * 16;
+  TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.numel() == m &&
+              col_scale.scalar_type() == at::kFloat && col_scale.numel() == n &&
+              col_sum.scalar_type() == at::kInt && col_sum.numel() == n,
+              "row_scale [M] and col_scale [N] float32, col_sum [N] int32");
+  TORCH_CHECK(!silu_and_mul || n % 32 == 0, "silu_and_mul needs gate and up blocks in pairs");
+  Tensor y = at::empty({m, silu_and_mul ? n / 2 : n}, x.options().dtype(at::kBFloat16));
+  const float* rs = row_scale.data_ptr<float>();
+  const float* cs = col_scale.data_ptr<float>();
+  const int32_t* sums = col_sum.data_ptr<int32_t>();
+  if (silu_and_mul)
+    dp_linear_run<Uint8Quads, kDpSiluRows, kDpSiluBlocks>(
+        bytes(x), bytes(packed), m, k, n / 16,
+        DequantStore<DpSiluStore>{rs, cs, sums, DpSiluStore{ptr<uint16_t>(y), n / 2}});
+  else
+    dp_linear_run<Uint8Quads, kDpRows, kDpBlocks>(
+        bytes(x), bytes(packed), m, k, n / 16,
+        DequantStore<DpStore>{rs, cs, sums, DpStore{ptr<uint16_t>(y), n}});
+  return y;
+}
+#endif
+#endif
+
+}  // namespace shoal
