@@ -4,6 +4,7 @@ the plain torch reference path."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -186,10 +187,11 @@ def test_decode_stack_gives_the_layer_loops_bits(dtype, levels):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_greedy_rows_screened_through_a_low_precision_lm_head_are_the_exact_argmax(
         dtype, bf16_model, fp32_model, tokenizer):
-    """Unquantized greedy iterations of a few rows take their candidates from an int8 copy of
-    the LM head (an int4 one on AVX2-only CPUs): over 512 positions of a real text and 512 of
-    random-token contexts (flatter distributions: there the exact best once ranked 12th among
-    the int8 logits, past the 8 candidates first recomputed), every pick is float32
+    """Unquantized greedy iterations take their candidates from an int8 copy of the LM head
+    (through vnni_linear at every size, or int8_gemv up to 6 rows; an int4 one on AVX2-only
+    CPUs): over 512 positions of a real text and 512 of random-token contexts (flatter
+    distributions: there the exact best once ranked 12th among the int8 logits, past the 8
+    candidates first recomputed), in iterations of 6 rows and of 64, every pick is float32
     arithmetic's argmax, or ties it within the rounding of another summation order (two logits
     4e-6 apart once swapped, on kernels built for AVX-512 without AVX512_BF16)."""
     import random
@@ -201,10 +203,10 @@ def test_greedy_rows_screened_through_a_low_precision_lm_head_are_the_exact_argm
     engine = make_engine(bf16_model if dtype == torch.bfloat16 else fp32_model, dtype=dtype)
     m = engine.model
     assert m.lm_head_screen is not None
-    op = m.lm_head_screen[0]
-    assert op == (torch.ops.shoal.int4_q8_linear
-                  if ops.int4_q8_available() and not ops.vnni_linear_available()
-                  else torch.ops.shoal.int8_gemv)
+    # vnni_linear's int8 screen serves iterations of every size; int8_gemv's and int4's few rows.
+    wide = ops.vnni_linear_available()
+    assert m.lm_head_screen.max_rows == (sys.maxsize if wide else m.LM_HEAD_SCREEN_MAX_ROWS)
+    chunks = (m.LM_HEAD_SCREEN_MAX_ROWS, 64) if wide else (m.LM_HEAD_SCREEN_MAX_ROWS,)
     rng = random.Random(0)
     texts = [tokenizer.encode(reference_text(), add_special_tokens=False)[:512],
              [rng.randrange(10, 49000) for _ in range(256)],
@@ -216,13 +218,13 @@ def test_greedy_rows_screened_through_a_low_precision_lm_head_are_the_exact_argm
             hidden = m.forward(torch.tensor(ids), torch.arange(len(ids)), meta, engine.kv_cache)
             h = F.rms_norm(hidden, (m.cfg.hidden_size,), m.norm, m.cfg.rms_norm_eps)
             logits = h @ m.lm_head.float().T
-            rows = m.LM_HEAD_SCREEN_MAX_ROWS
-            lean = torch.cat([m.compute_logits(hidden[i:i + rows], full=False)[1]
-                              for i in range(0, len(ids), rows)])
-        # A candidate the screen missed would lose by far more (its logit outside the best 64).
-        shortfall = logits.max(dim=1).values - logits.gather(1, lean[:, None])[:, 0]
-        assert shortfall.max() <= 1e-4, shortfall.max()
-        assert (lean == logits.argmax(dim=1)).float().mean() >= 0.99
+            for rows in chunks:
+                lean = torch.cat([m.compute_logits(hidden[i:i + rows], full=False)[1]
+                                  for i in range(0, len(ids), rows)])
+                # A candidate the screen missed would lose by far more (outside the best 64).
+                shortfall = logits.max(dim=1).values - logits.gather(1, lean[:, None])[:, 0]
+                assert shortfall.max() <= 1e-4, (rows, shortfall.max())
+                assert (lean == logits.argmax(dim=1)).float().mean() >= 0.99
         engine.kv_cache.allocator.free(table)
 
 

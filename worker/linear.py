@@ -375,6 +375,18 @@ def pack_int8_quads(q: torch.Tensor, scale: torch.Tensor, swiglu: bool
     return (on_huge_pages(packed), scale.contiguous(), q.sum(dim=1, dtype=torch.int32))
 
 
+def vnni_matmul(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                silu_and_mul: bool = False) -> torch.Tensor:
+    """W8A8's matmul through `shoal::vnni_linear`: `x` `[rows, K]` bfloat16 or float32,
+    quantized per row to int8 (`ops.quantize_rows`), against a weight packed by
+    `pack_int8_quads` -> `[rows, N]` bfloat16 (with `silu_and_mul`, `[rows, N / 2]` SwiGLU's
+    product of interleaved gate/up blocks)."""
+    q, row_scale = ops.quantize_rows(x, True)
+    # vpdpbusd multiplies unsigned by signed bytes: the activations go offset by 128.
+    u = q.view(torch.uint8).bitwise_xor_(128)
+    return torch.ops.shoal.vnni_linear(u, row_scale, *packed, silu_and_mul)
+
+
 def q4_weight(levels: torch.Tensor, scale_min: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The weight GGUF's 4-bit levels stand for, as the loader builds it: `levels` `[N, K]` uint8
     (0-15), `scale_min` `[N, K / 32, 2]` float16 (each group's d and m) -> `[N, K]` in `dtype`,
@@ -682,16 +694,14 @@ class Linear:
         return self.pairs if self.swiglu_pairs or not self.swiglu else None
 
     def _w8a8(self, x: torch.Tensor, silu_and_mul: bool) -> torch.Tensor:
-        q, row_scale = ops.quantize_rows(x, self.kernels)
         if self.vnni_w8a8 is not None:
-            # vpdpbusd multiplies unsigned by signed bytes: the activations go offset by 128.
-            u = q.view(torch.uint8).bitwise_xor_(128)
             # SwiGLU from the accumulators needs the gate/up blocks interleaved (swiglu=True).
             fused = silu_and_mul and self.swiglu
-            y = torch.ops.shoal.vnni_linear(u, row_scale, *self.vnni_w8a8, fused)
+            y = vnni_matmul(x, self.vnni_w8a8, fused)
             if self.swiglu and not fused:
                 y = swiglu_deinterleave(y)
             return ops.silu_and_mul(y, self.kernels) if silu_and_mul and not fused else y
+        q, row_scale = ops.quantize_rows(x, self.kernels)
         weight, col_scale = self.w8a8
         return ops.dequantize_rows(torch._int_mm(q, weight), row_scale, col_scale, silu_and_mul,
                                    x.dtype, self.kernels)

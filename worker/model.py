@@ -21,6 +21,8 @@ runs four matmuls instead of seven.
 from __future__ import annotations
 
 import logging
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +32,14 @@ from worker import ops
 from worker.attention import AttentionMetadata, make_backend
 from worker.config import ModelConfig
 from worker.kv_cache import KVCache
-from worker.linear import LM_HEAD_DP_MAX_ROWS, Linear, pack_int4_quads, quantize_int8
+from worker.linear import (
+    LM_HEAD_DP_MAX_ROWS,
+    Linear,
+    pack_int4_quads,
+    pack_int8_quads,
+    quantize_int8,
+    vnni_matmul,
+)
 from worker.loader import Q4_LEVELS, Q4_SCALE_MIN, Weights
 
 log = logging.getLogger(__name__)
@@ -40,6 +49,15 @@ log = logging.getLogger(__name__)
 # work. Decode tokens/s, stack against loop in turns, SmolLM2 without its levels, bfloat16,
 # 2-core Zen 4: batch 1 +16%, 16 +8.7%, 64 +3.4% (docs/benchmarks.md, session 23).
 STACK_MAX_ROWS = 64
+
+
+@dataclass(frozen=True)
+class _Screen:
+    """A low-precision copy of the LM head that picks each greedy row's candidates."""
+
+    logits: Callable[[torch.Tensor], torch.Tensor]  # `[rows, hidden]` serving dtype -> `[rows, vocab]`
+    candidates: int  # per row, recomputed exactly
+    max_rows: int  # the most rows of an iteration it serves
 
 
 @dataclass
@@ -86,11 +104,11 @@ class LlamaModel:
     # positions (int8 there: 12th), 9th over 2,048 of a real text (int8: 4th); twice int8's
     # candidates keep its margin for about 0.05 ms more.
     INT4_REFINE_TOP_K = 128
-    # The most rows whose candidates a low-precision copy of the LM head finds (unquantized
-    # greedy iterations). SmolLM2's head, 2-core Zen 4, ms for 1 / 2 / 4 / 5 / 6 / 8 / 12 rows:
-    # bfloat16 (dp_linear) 1.36 / 1.40 / 1.47 / 1.59 / 1.45 / 1.53 / 2.20, int8_gemv 0.36 / 0.49 /
-    # 0.89 / 1.25 / 1.29 / 1.53 / 2.39. Six covers a single stream checking up to 5 speculative
-    # drafts.
+    # The most rows whose candidates int8_gemv or int4_q8_linear find (unquantized greedy
+    # iterations; vnni_linear's screen takes any). SmolLM2's head, 2-core Zen 4, ms for 1 / 2 / 4
+    # / 5 / 6 / 8 / 12 rows: bfloat16 (dp_linear) 1.36 / 1.40 / 1.47 / 1.59 / 1.45 / 1.53 / 2.20,
+    # int8_gemv 0.36 / 0.49 / 0.89 / 1.25 / 1.29 / 1.53 / 2.39. Six covers a single stream
+    # checking up to 5 speculative drafts.
     LM_HEAD_SCREEN_MAX_ROWS = 6
 
     def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int,
@@ -117,27 +135,37 @@ class LlamaModel:
         self.lm_head_proj = Linear(self.lm_head, "none" if quantization == "none" else "int8",
                                    pack=fast_paths, int8_gemv=True, kernels=self.kernels,
                                    dp_max_rows=LM_HEAD_DP_MAX_ROWS)
-        # Unquantized, greedy iterations of a few rows screen the vocabulary with a low-precision
-        # copy of the LM head and recompute the best candidates exactly (compute_logits). Logits
-        # anyone reads stay unquantized. `(op, its weight tensors, candidates per row)`:
-        # - int8 through `shoal::int8_gemv`: half the bytes of bfloat16 (a quarter of float32's),
-        #   1.36 -> 0.36 ms a row, single-stream decode +6-10% in bfloat16 and +20% in float32
-        #   (2-core Zen 4, docs/benchmarks.md session 20);
+        # Unquantized, greedy iterations screen the vocabulary with a low-precision copy of the
+        # LM head and recompute the best candidates exactly (compute_logits). Logits anyone reads
+        # stay unquantized. The screen, by what the kernels were built with:
+        # - int8 x int8 through `shoal::vnni_linear` (W8A8's kernel; AVX512_BF16 and VNNI), for
+        #   iterations of every size: at 1-2 rows as fast as int8_gemv below, from 4 rows 1.7-3x
+        #   faster; compute_logits of greedy rows at 4 / 8 / 64 rows 1.37 / 2.21 / 10.0 -> 0.79
+        #   / 1.33 / 7.6 ms (2-core Zen 4, docs/benchmarks.md session 23);
         # - int4 through `shoal::int4_q8_linear` on AVX2-only CPUs, where reading the int8 copy
-        #   is the bound: 1.38 -> 0.55 ms a row, 1.99 -> 1.24 at 4 (2-core Zen 3, session 22).
-        #   Where VNNI is built the two took the same time (Zen 4, session 21): int8 there.
-        self.lm_head_screen: tuple[object, tuple[torch.Tensor, ...], int] | None = None
+        #   is the bound: 1.38 -> 0.55 ms a row, 1.99 -> 1.24 at 4 (2-core Zen 3, session 22);
+        # - elsewhere int8 through `shoal::int8_gemv`: half the bytes of bfloat16 (a quarter of
+        #   float32's), 1.36 -> 0.36 ms a row, single-stream decode +6-10% in bfloat16 and +20%
+        #   in float32 (2-core Zen 4, session 20).
+        # The int8 screens quantize activations per row and weights per channel alike.
+        self.lm_head_screen: _Screen | None = None
         if (quantization == "none" and self.kernels and cfg.hidden_size % 64 == 0
                 and (tp is None or tp.rank == 0)):  # rank 0 samples
-            if ops.int4_q8_available() and not ops.vnni_linear_available():
-                self.lm_head_screen = (torch.ops.shoal.int4_q8_linear,
-                                       pack_int4_quads(self.lm_head.float()),
-                                       self.INT4_REFINE_TOP_K)
+            if ops.vnni_linear_available():
+                q, scale = quantize_int8(self.lm_head)
+                packed = pack_int8_quads(q, scale.float(), swiglu=False)
+                self.lm_head_screen = _Screen(lambda x: vnni_matmul(x, packed),
+                                              self.INT8_REFINE_TOP_K, sys.maxsize)
+            elif ops.int4_q8_available():
+                quads = pack_int4_quads(self.lm_head.float())
+                self.lm_head_screen = _Screen(
+                    lambda x: torch.ops.shoal.int4_q8_linear(x, *quads), self.INT4_REFINE_TOP_K,
+                    self.LM_HEAD_SCREEN_MAX_ROWS)
             elif ops.int8_gemv_available():
                 q, scale = quantize_int8(self.lm_head)
-                self.lm_head_screen = (torch.ops.shoal.int8_gemv,
-                                       (q, scale.float(), q.sum(dim=1, dtype=torch.int32)),
-                                       self.INT8_REFINE_TOP_K)
+                gemv = (q, scale.float(), q.sum(dim=1, dtype=torch.int32))
+                self.lm_head_screen = _Screen(lambda x: torch.ops.shoal.int8_gemv(x, *gemv),
+                                              self.INT8_REFINE_TOP_K, self.LM_HEAD_SCREEN_MAX_ROWS)
 
         def linear(*names: str, quantize_activations: bool = False, swiglu: bool = False) -> Linear:
             # GGUF's 4-bit levels where every part has them (worker.loader, worker.linear).
@@ -290,9 +318,9 @@ class LlamaModel:
         Args:
             hidden: `[num_sampling_rows, hidden]` float32 rows of `forward`'s output.
             full: return the float32 logits; without them (greedy rows that want no logprobs)
-                only the argmax is made, and iterations of up to LM_HEAD_SCREEN_MAX_ROWS rows
-                take their candidates from a low-precision copy of the LM head
-                (`lm_head_screen`). Widening 64 rows of bfloat16 logits to float32 writes 12 MB,
+                only the argmax is made, and iterations the screen serves (`lm_head_screen`:
+                every size, or up to LM_HEAD_SCREEN_MAX_ROWS rows) take their candidates from a
+                low-precision copy of the LM head. Widening 64 rows of bfloat16 logits to float32 writes 12 MB,
                 which cost about 1 ms an iteration (62 ms of a W64 run, page faults of the fresh
                 buffer included).
 
@@ -301,11 +329,11 @@ class LlamaModel:
             `[num_sampling_rows]` int64 the argmax of each row (what greedy sampling picks).
         """
         h = F.rms_norm(hidden, (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps)
-        screen = (self.lm_head_screen if not full and h.shape[0] <= self.LM_HEAD_SCREEN_MAX_ROWS
-                  else None)
+        screen = self.lm_head_screen
+        if full or screen is None or h.shape[0] > screen.max_rows:
+            screen = None
         if screen is not None:
-            op, weights, _ = screen
-            logits = op(h.to(self.dtype), *weights)
+            logits = screen.logits(h.to(self.dtype))
         else:
             logits = self.lm_head_proj(h.to(self.dtype))
         if self.dtype == torch.float32 and self.lm_head_proj.quantized is None and screen is None:
@@ -315,7 +343,7 @@ class LlamaModel:
         # Recompute each row's best candidates exactly (float32 activations against the
         # unquantized weights) so greedy picks the argmax float32 arithmetic would pick. Cost: a
         # top-k and `rows * REFINE_TOP_K` dot products.
-        k = screen[2] if screen is not None else self.REFINE_TOP_K
+        k = screen.candidates if screen is not None else self.REFINE_TOP_K
         idx = ops.topk_rows(logits, k, self.kernels)[1]  # [rows, k]
         rows = self.lm_head.index_select(0, idx.view(-1)).view(*idx.shape, -1)
         exact = torch.einsum("rd,rkd->rk", h, rows.float())
