@@ -189,7 +189,7 @@ def test_greedy_rows_screened_through_a_low_precision_lm_head_are_the_exact_argm
         dtype, bf16_model, fp32_model, tokenizer):
     """Unquantized greedy iterations take their candidates from an int8 copy of the LM head
     (through vnni_linear at every size, or int8_gemv up to 6 rows; an int4 one on AVX2-only
-    CPUs): over 512 positions of a real text and 512 of random-token contexts (flatter
+    CPUs, up to 64 rows): over 512 positions of a real text and 512 of random-token contexts (flatter
     distributions: there the exact best once ranked 12th among the int8 logits, past the 8
     candidates first recomputed), in iterations of 6 rows and of 64, every pick is float32
     arithmetic's argmax, or ties it within the rounding of another summation order (two logits
@@ -203,10 +203,12 @@ def test_greedy_rows_screened_through_a_low_precision_lm_head_are_the_exact_argm
     engine = make_engine(bf16_model if dtype == torch.bfloat16 else fp32_model, dtype=dtype)
     m = engine.model
     assert m.lm_head_screen is not None
-    # vnni_linear's int8 screen serves iterations of every size; int8_gemv's and int4's few rows.
-    wide = ops.vnni_linear_available()
-    assert m.lm_head_screen.max_rows == (sys.maxsize if wide else m.LM_HEAD_SCREEN_MAX_ROWS)
-    chunks = (m.LM_HEAD_SCREEN_MAX_ROWS, 64) if wide else (m.LM_HEAD_SCREEN_MAX_ROWS,)
+    # vnni_linear's int8 screen serves iterations of every size, int4's up to 64 rows,
+    # int8_gemv's up to 6.
+    max_rows = (sys.maxsize if ops.vnni_linear_available() else m.INT4_SCREEN_MAX_ROWS
+                if ops.int4_q8_available() else m.LM_HEAD_SCREEN_MAX_ROWS)
+    assert m.lm_head_screen.max_rows == max_rows
+    chunks = [rows for rows in (m.LM_HEAD_SCREEN_MAX_ROWS, 64) if rows <= max_rows]
     rng = random.Random(0)
     texts = [tokenizer.encode(reference_text(), add_special_tokens=False)[:512],
              [rng.randrange(10, 49000) for _ in range(256)],

@@ -104,12 +104,17 @@ class LlamaModel:
     # positions (int8 there: 12th), 9th over 2,048 of a real text (int8: 4th); twice int8's
     # candidates keep its margin for about 0.05 ms more.
     INT4_REFINE_TOP_K = 128
-    # The most rows whose candidates int8_gemv or int4_q8_linear find (unquantized greedy
-    # iterations; vnni_linear's screen takes any). SmolLM2's head, 2-core Zen 4, ms for 1 / 2 / 4
-    # / 5 / 6 / 8 / 12 rows: bfloat16 (dp_linear) 1.36 / 1.40 / 1.47 / 1.59 / 1.45 / 1.53 / 2.20,
-    # int8_gemv 0.36 / 0.49 / 0.89 / 1.25 / 1.29 / 1.53 / 2.39. Six covers a single stream
-    # checking up to 5 speculative drafts.
+    # The most rows whose candidates int8_gemv finds (unquantized greedy iterations).
+    # SmolLM2's head, 2-core Zen 4, ms for 1 / 2 / 4 / 5 / 6 / 8 / 12 rows: bfloat16 (dp_linear)
+    # 1.36 / 1.40 / 1.47 / 1.59 / 1.45 / 1.53 / 2.20, int8_gemv 0.36 / 0.49 / 0.89 / 1.25 / 1.29
+    # / 1.53 / 2.39. Six covers a single stream checking up to 5 speculative drafts.
     LM_HEAD_SCREEN_MAX_ROWS = 6
+    # The same for the int4 screen (AVX2-only CPUs, float32): greedy compute_logits against the
+    # float32 head (f32_linear), ms for 1 / 6 / 8 / 16 / 32 / 64 / 128 rows, the AVX2 build run
+    # on a 2-core Zen 4: 0.46 / 1.86 / 5.36 / 8.17 / 13.9 / 24.3 / 46.4 against 0.48 / 1.78 /
+    # 2.17 / 6.99 / 9.07 / 17.3 / 47.3: past 64 rows recomputing 128 candidates a row costs what
+    # the screen saves.
+    INT4_SCREEN_MAX_ROWS = 64
 
     def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int,
                  quantization: str = "none", fast_paths: bool = True,
@@ -143,7 +148,8 @@ class LlamaModel:
         #   faster; compute_logits of greedy rows at 4 / 8 / 64 rows 1.37 / 2.21 / 10.0 -> 0.79
         #   / 1.33 / 7.6 ms (2-core Zen 4, docs/benchmarks.md session 23);
         # - int4 through `shoal::int4_q8_linear` on AVX2-only CPUs, where reading the int8 copy
-        #   is the bound: 1.38 -> 0.55 ms a row, 1.99 -> 1.24 at 4 (2-core Zen 3, session 22);
+        #   is the bound: 1.38 -> 0.55 ms a row, 1.99 -> 1.24 at 4 (2-core Zen 3, session 22),
+        #   iterations of up to INT4_SCREEN_MAX_ROWS;
         # - elsewhere int8 through `shoal::int8_gemv`: half the bytes of bfloat16 (a quarter of
         #   float32's), 1.36 -> 0.36 ms a row, single-stream decode +6-10% in bfloat16 and +20%
         #   in float32 (2-core Zen 4, session 20).
@@ -160,7 +166,7 @@ class LlamaModel:
                 quads = pack_int4_quads(self.lm_head.float())
                 self.lm_head_screen = _Screen(
                     lambda x: torch.ops.shoal.int4_q8_linear(x, *quads), self.INT4_REFINE_TOP_K,
-                    self.LM_HEAD_SCREEN_MAX_ROWS)
+                    self.INT4_SCREEN_MAX_ROWS)
             elif ops.int8_gemv_available():
                 q, scale = quantize_int8(self.lm_head)
                 gemv = (q, scale.float(), q.sum(dim=1, dtype=torch.int32))
@@ -319,8 +325,8 @@ class LlamaModel:
             hidden: `[num_sampling_rows, hidden]` float32 rows of `forward`'s output.
             full: return the float32 logits; without them (greedy rows that want no logprobs)
                 only the argmax is made, and iterations the screen serves (`lm_head_screen`:
-                every size, or up to LM_HEAD_SCREEN_MAX_ROWS rows) take their candidates from a
-                low-precision copy of the LM head. Widening 64 rows of bfloat16 logits to float32 writes 12 MB,
+                every size, or up to INT4_SCREEN_MAX_ROWS or LM_HEAD_SCREEN_MAX_ROWS rows) take
+                their candidates from a low-precision copy of the LM head. Widening 64 rows of bfloat16 logits to float32 writes 12 MB,
                 which cost about 1 ms an iteration (62 ms of a W64 run, page faults of the fresh
                 buffer included).
 
