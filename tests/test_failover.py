@@ -145,8 +145,10 @@ def test_shoal_chaos_short_run():
     """Workers killed and restarted under load, and the active scheduler killed once: every
     request completes, no token index is duplicated or missing, outputs equal the undisturbed
     run."""
+    # Enough decoding to outlast a kill interval: at 40 tokens a request the run once ended
+    # (1.5 s) before the first kill.
     r = subprocess.run([*shoal_command(), "chaos", "--requests", "12",
-                        "--max-tokens", "40", "--kill-interval", "1.5", "--kill-scheduler"],
+                        "--max-tokens", "120", "--kill-interval", "1.5", "--kill-scheduler"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:]
     assert "PASS" in r.stdout
