@@ -2,8 +2,8 @@
 
 It starts its own fleet (embedded Redis, a scheduler, N workers, a gateway), runs the requests once
 undisturbed, then again while a chaos thread SIGKILLs a random worker every `--kill-interval`
-seconds and restarts it under the same id, and, with `--kill-scheduler`, kills the active
-scheduler once while a standby runs. Every request streams over the WebSocket, so each token
+seconds (at most `--max-kills` times) and restarts it under the same id, and, with
+`--kill-scheduler`, kills the active scheduler once while a standby runs. Every request streams over the WebSocket, so each token
 arrives with its index: the run counts completed and failed requests, duplicated and missing
 indexes, and whether each output equals the undisturbed run's. Greedy float32 by default, so
 recomputation after a failover gives the same tokens.
@@ -62,8 +62,11 @@ async def _run_all(url: str, prompts: list[str], max_tokens: int) -> list[Outcom
 
 
 def run_chaos(num_requests: int, workers: int, max_tokens: int, kill_interval_s: float,
-              restart_delay_s: float, kill_scheduler: bool, dtype: str, seed: int) -> dict:
-    """Run the experiment; returns the counts (see the module docstring)."""
+              restart_delay_s: float, kill_scheduler: bool, dtype: str, seed: int,
+              max_kills: int = 0) -> dict:
+    """Run the experiment; returns the counts (see the module docstring). `max_kills` (0: no
+    limit) stops the worker kills after that many, so that how many a request can meet does
+    not grow with the run's length (past --max-migrations it fails, as it should)."""
     rng = random.Random(seed)
     rport, gport = free_port(), free_port()
     redis_proc = start_redis(rport)
@@ -107,6 +110,8 @@ def run_chaos(num_requests: int, workers: int, max_tokens: int, kill_interval_s:
                     pool[i] = start_worker(i)
                     return
                 pool[i] = start_worker(i)
+                if kills["workers"] == max_kills:
+                    return
 
         t = threading.Thread(target=chaos, daemon=True)
         t.start()

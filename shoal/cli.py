@@ -220,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--kill-interval", type=float, default=2.0, help="seconds between kills")
     ch.add_argument("--restart-delay", type=float, default=1.0,
                     help="seconds before a killed worker is started again")
+    ch.add_argument("--max-kills", type=_non_negative_int, default=0,
+                    help="stop killing workers after this many (default 0: no limit)")
     ch.add_argument("--kill-scheduler", action="store_true",
                     help="also kill the active scheduler once (a standby takes over)")
     ch.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32")
@@ -601,7 +603,8 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
 
     try:
         r = run_chaos(args.requests, args.workers, args.max_tokens, args.kill_interval,
-                      args.restart_delay, args.kill_scheduler, args.dtype, args.seed)
+                      args.restart_delay, args.kill_scheduler, args.dtype, args.seed,
+                      args.max_kills)
     except (RuntimeError, FileNotFoundError) as e:
         raise CLIError(str(e)) from e
     table = Table(title="shoal chaos")
