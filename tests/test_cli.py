@@ -74,6 +74,11 @@ def test_bench_engine_quick_writes_its_json(tmp_path):
     assert [r["prefix_cache_hit_tokens"] for r in runs] == [0, 0, 0]
     speeds = sorted(r["generated_tokens_per_s"] for r in runs)
     assert figures["shoal"]["generated_tokens_per_s"] == speeds[1]
+    # The single streams run as many times, their medians reported.
+    singles = sorted(figures["single_stream_runs"])
+    assert len(singles) == 3 and figures["single_stream_decode_tokens_per_s"] == singles[1]
+    chats = sorted(figures["chat_single_stream_runs"])
+    assert len(chats) == 3 and figures["chat_single_stream"]["generated_tokens_per_s"] == chats[1]
     assert figures["transformers_static_batch8"]["generated_tokens"] == figures["shoal"]["generated_tokens"]
     assert set(figures["decode_tokens_per_s"]) == {"1", "8"}
     assert "generated tokens/s" in r.stdout

@@ -249,12 +249,16 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
     with console.status("decode throughput"):
         for b in batches:
             decode[str(b)] = decode_throughput(engine, b, 128, steps)
+    # Single streams `rounds` times too, the median reported: one run of these few seconds moved
+    # by up to 25% within minutes on a shared host (docs/benchmarks.md, session 23).
     with console.status("single-stream decode"):
         drafts, kept = engine.spec_draft_tokens, engine.spec_accepted_tokens
-        single = decode_throughput(engine, 1, 128, 8 if quick else 128)
+        singles = [decode_throughput(engine, 1, 128, 8 if quick else 128) for _ in range(rounds)]
+        single = statistics.median(singles)
         single_spec = {"draft_tokens": engine.spec_draft_tokens - drafts,
                        "accepted_tokens": engine.spec_accepted_tokens - kept}
-        chat = chat_single_stream(path, engine, 8 if quick else 128)
+        chats = [chat_single_stream(path, engine, 8 if quick else 128) for _ in range(rounds)]
+        chat = sorted(chats, key=lambda c: c["generated_tokens_per_s"])[(rounds - 1) // 2]
     quality = None
     if cfg.quantization != "none":
         with console.status("perplexity, quantized against unquantized"):
@@ -293,9 +297,11 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
                       f"{ours['generated_tokens_per_s'] / base['generated_tokens_per_s']:.1f}x")
     for b, v in decode.items():
         table.add_row(f"decode tokens/s at batch {b}", f"{v:.1f}")
-    table.add_row("single-stream decode tokens/s (128-token prompt, 128 out)", f"{single:.1f}")
+    each = f"median of {rounds} runs" if rounds > 1 else "one run"
+    table.add_row(f"single-stream decode tokens/s (128-token prompt, 128 out; {each})",
+                  f"{single:.1f}")
     table.add_row(f"single-stream decode tokens/s, {len(CHAT_PROMPTS)} chat prompts (greedy, "
-                  f"to EOS or {8 if quick else 128})", f"{chat['generated_tokens_per_s']:.1f}")
+                  f"to EOS or {8 if quick else 128}; {each})", f"{chat['generated_tokens_per_s']:.1f}")
     spec = cfg.speculative
     if spec is not None:
         table.add_row("speculative decoding", f"{spec.method}, {spec.num_speculative_tokens} "
@@ -341,7 +347,9 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
         "dtype": str(cfg.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
         "shoal": ours, "shoal_runs": runs, "transformers_static_batch8": base,
         "decode_tokens_per_s": decode, "single_stream_decode_tokens_per_s": single,
-        "single_stream_speculation": single_spec, "chat_single_stream": chat,
+        "single_stream_runs": singles, "single_stream_speculation": single_spec,
+        "chat_single_stream": chat,
+        "chat_single_stream_runs": [c["generated_tokens_per_s"] for c in chats],
         "speculative": None if cfg.speculative is None else asdict(cfg.speculative),
         "quantization": cfg.quantization, "perplexity": quality,
         "cpu_kernels": engine.model.kernels, "amx": amx, "avx512_bf16": bf16_pairs,
