@@ -6,8 +6,8 @@ an engine warmed up by one run of other such requests (the median run is reporte
 requests then run through transformers `generate` in static batches of 8 (request-level
 batching: a batch runs until its longest request is done; the Orca paper's baseline), in the same
 process, in bfloat16. The run also times decode iterations at batch 1, 8, 32 and 64,
-single-stream decode (a 128-token prompt, 128 tokens out; and three real chat prompts) and one
-prefill iteration. With
+single-stream decode (a 128-token prompt, 128 tokens out; and three real chat prompts; each
+`--rounds` times, the median reported) and one prefill iteration. With
 `--quantization` it also reports the perplexity of a real text, quantized against unquantized,
 one token per iteration and as one prompt (worker/perplexity.py).
 """
