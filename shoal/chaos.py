@@ -3,10 +3,10 @@
 It starts its own fleet (embedded Redis, a scheduler, N workers, a gateway), runs the requests once
 undisturbed, then again while a chaos thread SIGKILLs a random worker every `--kill-interval`
 seconds (at most `--max-kills` times) and restarts it under the same id, and, with
-`--kill-scheduler`, kills the active scheduler once while a standby runs. Every request streams over the WebSocket, so each token
-arrives with its index: the run counts completed and failed requests, duplicated and missing
-indexes, and whether each output equals the undisturbed run's. Greedy float32 by default, so
-recomputation after a failover gives the same tokens.
+`--kill-scheduler`, kills the active scheduler once while a standby runs. Every request streams
+over the WebSocket, so each token arrives with its index: the run counts completed and failed
+requests, duplicated and missing indexes, and whether each output equals the undisturbed run's.
+Greedy float32 by default, so recomputation after a failover gives the same tokens.
 """
 
 from __future__ import annotations

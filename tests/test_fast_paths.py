@@ -165,7 +165,8 @@ def test_decode_stack_gives_the_layer_loops_bits(dtype, levels):
     tables = [alloc.allocate(engine.blocks_for_tokens(n + 4)) for n in lengths]
     for t, n in zip(tables, lengths):
         ids = torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist()
-        out = run(ids, torch.arange(n), build_metadata([], [], [(t, 0, n)], bs), torch.tensor([n - 1]))
+        meta = build_metadata([], [], [(t, 0, n)], bs)
+        out = run(ids, torch.arange(n), meta, torch.tensor([n - 1]))
         assert out.shape == (1, cfg.hidden_size)
     # The others decode at their next position beside a 3-token chunk of the first.
     decodes = len(tables) - 1
@@ -189,9 +190,10 @@ def test_greedy_rows_screened_through_a_low_precision_lm_head_are_the_exact_argm
         dtype, bf16_model, fp32_model, tokenizer):
     """Unquantized greedy iterations take their candidates from an int8 copy of the LM head
     (through vnni_linear at every size, or int8_gemv up to 6 rows; an int4 one on AVX2-only
-    CPUs, up to 64 rows): over 512 positions of a real text and 512 of random-token contexts (flatter
-    distributions: there the exact best once ranked 12th among the int8 logits, past the 8
-    candidates first recomputed), in iterations of 6 rows and of 64, every pick is float32
+    CPUs, up to 64 rows): over 512 positions of a real text and 512 of random-token contexts
+    (flatter distributions: there the exact best once ranked 12th among the int8 logits, past
+    the 8 candidates first recomputed), in iterations of 6 rows and, where the screen takes
+    them, of 64, every pick is float32
     arithmetic's argmax, or ties it within the rounding of another summation order (two logits
     4e-6 apart once swapped, on kernels built for AVX-512 without AVX512_BF16)."""
     import random

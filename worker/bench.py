@@ -301,7 +301,8 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
     table.add_row(f"single-stream decode tokens/s (128-token prompt, 128 out; {each})",
                   f"{single:.1f}")
     table.add_row(f"single-stream decode tokens/s, {len(CHAT_PROMPTS)} chat prompts (greedy, "
-                  f"to EOS or {8 if quick else 128}; {each})", f"{chat['generated_tokens_per_s']:.1f}")
+                  f"to EOS or {8 if quick else 128}; {each})",
+                  f"{chat['generated_tokens_per_s']:.1f}")
     spec = cfg.speculative
     if spec is not None:
         table.add_row("speculative decoding", f"{spec.method}, {spec.num_speculative_tokens} "

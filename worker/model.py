@@ -55,7 +55,8 @@ STACK_MAX_ROWS = 64
 class _Screen:
     """A low-precision copy of the LM head that picks each greedy row's candidates."""
 
-    logits: Callable[[torch.Tensor], torch.Tensor]  # `[rows, hidden]` serving dtype -> `[rows, vocab]`
+    # `[rows, hidden]` in the serving dtype -> low-precision logits `[rows, vocab]`
+    logits: Callable[[torch.Tensor], torch.Tensor]
     candidates: int  # per row, recomputed exactly
     max_rows: int  # the most rows of an iteration it serves
 
@@ -326,9 +327,9 @@ class LlamaModel:
             full: return the float32 logits; without them (greedy rows that want no logprobs)
                 only the argmax is made, and iterations the screen serves (`lm_head_screen`:
                 every size, or up to INT4_SCREEN_MAX_ROWS or LM_HEAD_SCREEN_MAX_ROWS rows) take
-                their candidates from a low-precision copy of the LM head. Widening 64 rows of bfloat16 logits to float32 writes 12 MB,
-                which cost about 1 ms an iteration (62 ms of a W64 run, page faults of the fresh
-                buffer included).
+                their candidates from a low-precision copy of the LM head. Widening 64 rows of
+                bfloat16 logits to float32 writes 12 MB, which cost about 1 ms an iteration
+                (62 ms of a W64 run, page faults of the fresh buffer included).
 
         Returns:
             `[num_sampling_rows, vocab_size]` float32 logits (None unless `full`), and
