@@ -497,9 +497,9 @@ def test_worker_drains_on_sigterm(fleet):
 
 
 def test_worker_that_cannot_read_its_plans_leaves_the_fleet(fleet):
-    """Plans are read by a thread of the worker: when that thread breaks (here on a plan that is
-    not a message), the worker leaves the fleet and exits 1 instead of hanging with its
-    heartbeat still beating; the fleet keeps serving."""
+    """A plan the worker cannot read (here one that is not a message): the worker leaves the
+    fleet and exits 1 instead of hanging with its heartbeat still beating; the fleet keeps
+    serving."""
     import redis
 
     r = redis.Redis.from_url(fleet["redis"])

@@ -1,13 +1,16 @@
 """The worker process: runs the iteration plans the scheduler addresses to it.
 
 It registers (a hash plus a heartbeat key with a TTL), then loops: take the next plan, run one
-engine iteration, hand over the result. Redis stays off that loop: one thread pops plans from the
-worker's list while the engine computes (the scheduler keeps one queued ahead), another pushes
-results. Waiting on those round trips at each iteration's end cost 0.4-5 ms (2 on average) per
-iteration on two cores, where Redis, the scheduler and the gateway all wake at that moment. A
-thread renews the heartbeat every second with the current free K/V blocks. On SIGTERM it drains:
-it advertises `draining`, hands back any request it is asked to admit, finishes what it runs,
-deregisters and exits 0.
+engine iteration, hand over the result. Redis stays off that loop's critical path without a
+thread of its own: the BLPOP for the next plan is sent before an iteration runs and its reply
+read after it (the scheduler keeps one plan queued ahead, so it is there), and a result's RPUSH is
+sent at once and its reply read with the next one. Waiting on those round trips at each
+iteration's end cost 0.4-5 ms (2 on average) per iteration on two cores, where Redis, the
+scheduler and the gateway all wake at that moment; threads that popped and pushed for the loop
+cost less but woke twice an iteration, each wake-up taking a core from the engine's threads
+mid-iteration. A thread renews the heartbeat every second with the current free K/V blocks. On
+SIGTERM it drains: it advertises `draining`, hands back any request it is asked to admit,
+finishes what it runs, deregisters and exits 0.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import signal
 import threading
 import time
@@ -25,7 +27,15 @@ from dataclasses import dataclass
 import redis
 
 from shoal.keys import Keys
-from shoal.messages import IterationPlan, IterationResult, TokenOutput, WorkerInfo, decode, encode
+from shoal.messages import (
+    IterationPlan,
+    IterationResult,
+    ProtocolError,
+    TokenOutput,
+    WorkerInfo,
+    decode,
+    encode,
+)
 from shoal.model_files import model_id
 from worker import metrics
 from worker.engine import Engine, KVCacheFullError
@@ -42,6 +52,101 @@ class WorkerSettings:
     prefix: str = "shoal"
 
 
+class PlanFeed:
+    """This worker's plans, one BLPOP always in flight on a connection of its own.
+
+    `get` reads the reply of the BLPOP sent earlier (sending one first if none is) and `request`
+    sends the next: called before an iteration runs, its plan arrives in the socket's buffer while
+    the engine computes, and no thread wakes for it.
+    """
+
+    def __init__(self, url: str, key: str, timeout_s: float = 0.5) -> None:
+        self._redis = redis.Redis.from_url(url)
+        self._key = key
+        self._timeout_s = timeout_s
+        self._conn: redis.connection.Connection | None = None
+        self._backoff_s = 0.1
+
+    def request(self) -> None:
+        """Send the BLPOP for the next plan, unless one is in flight."""
+        if self._conn is None:
+            conn = self._redis.connection_pool.get_connection()
+            try:
+                conn.send_command("BLPOP", self._key, self._timeout_s)
+            except (redis.ConnectionError, redis.TimeoutError):
+                self._redis.connection_pool.release(conn)
+                raise
+            self._conn = conn
+
+    def get(self) -> IterationPlan | None:
+        """The next plan, or None after `timeout_s` seconds without one or while Redis is
+        unavailable (then after a backoff of up to 2 s: the heartbeat thread re-registers once
+        Redis is back, and a scheduler that takes over resets this engine).
+
+        Raises:
+            ProtocolError: a plan this worker cannot read.
+        """
+        try:
+            self.request()
+            conn, self._conn = self._conn, None
+            try:
+                item = conn.read_response()
+            finally:
+                self._redis.connection_pool.release(conn)
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            log.warning("Redis unavailable (%s); retrying in %.1f s", e, self._backoff_s)
+            time.sleep(self._backoff_s)
+            self._backoff_s = min(self._backoff_s * 2, 2.0)
+            return None
+        self._backoff_s = 0.1
+        if item is None:
+            return None
+        plan = decode(item[1])
+        if not isinstance(plan, IterationPlan):
+            raise ProtocolError(f"expected an IterationPlan on {self._key}, got {type(plan).__name__}")
+        return plan
+
+
+class ResultSink:
+    """Pushes iteration results to the scheduler's list without waiting for Redis: each RPUSH is
+    sent at once and its reply read when the next is sent (it is there by then) or at `flush`."""
+
+    def __init__(self, url: str, key: str) -> None:
+        self._redis = redis.Redis.from_url(url)
+        self._key = key
+        self._conn: redis.connection.Connection | None = None
+        self._iteration = 0  # of the RPUSH in flight
+
+    def push(self, result: IterationResult) -> None:
+        self.flush()
+        conn = self._redis.connection_pool.get_connection()
+        try:
+            conn.send_command("RPUSH", self._key, encode(result))
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            self._redis.connection_pool.release(conn)
+            self._lost(result.iteration, e)
+            return
+        self._conn, self._iteration = conn, result.iteration
+
+    def flush(self) -> None:
+        """Read the reply of the RPUSH in flight, if any: its result has then reached Redis."""
+        if self._conn is None:
+            return
+        conn, self._conn = self._conn, None
+        try:
+            conn.read_response()
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            self._lost(self._iteration, e)
+        finally:
+            self._redis.connection_pool.release(conn)
+
+    @staticmethod
+    def _lost(iteration: int, e: Exception) -> None:
+        # Lost with the connection, as the plans in flight are: a scheduler that takes over
+        # resets this engine and admits its requests again.
+        log.warning("Redis unavailable (%s); iteration %d's result may be lost", e, iteration)
+
+
 class WorkerServer:
     """Connects one engine to the fleet through Redis."""
 
@@ -54,8 +159,6 @@ class WorkerServer:
         self.redis = redis.Redis.from_url(settings.redis_url)
         self._draining = threading.Event()
         self._stopped = threading.Event()
-        self._plans: queue.Queue[IterationPlan] = queue.Queue()
-        self._results: queue.Queue[IterationResult | None] = queue.Queue()
         self.incarnation = uuid.uuid4().hex[:12]
         self._totals = metrics.EngineTotals()
 
@@ -104,56 +207,15 @@ class WorkerServer:
         """Stop taking new requests; the loop exits once the running ones are done."""
         self._draining.set()
 
-    def _read_plans(self) -> None:
-        """Pop this worker's plans into `_plans` as they arrive, until stopped."""
-        r = redis.Redis.from_url(self.settings.redis_url)
-        backoff = 0.1
-        while not self._stopped.is_set():
-            try:
-                item = r.blpop([self.keys.plans(self.worker_id)], timeout=0.5)
-                backoff = 0.1
-            except (redis.ConnectionError, redis.TimeoutError) as e:
-                # The heartbeat thread re-registers once Redis is back; a scheduler that
-                # takes over then resets this engine.
-                log.warning("Redis unavailable (%s); retrying in %.1f s", e, backoff)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-                continue
-            if item is not None:
-                plan = decode(item[1])
-                assert isinstance(plan, IterationPlan)
-                self._plans.put(plan)
-
-    def _push_results(self) -> None:
-        """Push each result of `_results` to the scheduler, in order, until a None."""
-        r = redis.Redis.from_url(self.settings.redis_url)
-        while (result := self._results.get()) is not None:
-            try:
-                r.rpush(self.keys.results, encode(result))
-            except (redis.ConnectionError, redis.TimeoutError) as e:
-                # Lost with the connection, as the plans in flight are: a scheduler that takes
-                # over resets this engine and admits its requests again.
-                log.warning("Redis unavailable (%s); iteration %d's result is lost", e,
-                            result.iteration)
-
-    def _or_fail(self, loop) -> None:
-        """Run a thread's loop; if it breaks, the worker leaves the fleet rather than hang with
-        its heartbeat still beating (an unreadable plan, say)."""
-        try:
-            loop()
-        except Exception as e:
-            self.fail(f"{loop.__name__}: {e!r}")
-
     def run(self) -> int:
-        """Serve until drained. Returns the process exit status."""
+        """Serve until drained. Returns the process exit status: 0, or 1 after a plan this worker
+        cannot read (another protocol version), having left the fleet."""
         signal.signal(signal.SIGTERM, self.drain)
         signal.signal(signal.SIGINT, self.drain)
         self._heartbeat(self.redis)
         threading.Thread(target=self._heartbeat_loop, daemon=True).start()
-        reader = threading.Thread(target=self._or_fail, args=(self._read_plans,), daemon=True)
-        pusher = threading.Thread(target=self._or_fail, args=(self._push_results,), daemon=True)
-        reader.start()
-        pusher.start()
+        plans = PlanFeed(self.settings.redis_url, self.keys.plans(self.worker_id))
+        results = ResultSink(self.settings.redis_url, self.keys.results)
         levels, projections, level_rows = self.engine.model.levels_served()
         stack_rows = self.engine.model.stack_max_rows  # 0 where decode_stack does not serve
         log.info("worker %s serving %s with %d K/V blocks; %d of %d projections read the file's "
@@ -161,22 +223,24 @@ class WorkerServer:
                  self.engine.num_total_blocks, levels, projections, level_rows,
                  f"all layers in one call up to {stack_rows} rows" if stack_rows
                  else "layers called one op at a time")
+        status = 0
         try:
             while not (self._draining.is_set() and not self.engine.running):
-                try:
-                    plan = self._plans.get(timeout=0.5)
-                except queue.Empty:
+                plan = plans.get()
+                if plan is None:
                     continue
-                self._results.put(self.step(plan))
+                plans.request()  # the next plan arrives while this one runs
+                results.push(self.step(plan))
+        except ProtocolError as e:
+            log.error("worker %s cannot read its plans (%s); leaving the fleet", self.worker_id, e)
+            status = 1
         finally:
-            self._results.put(None)
-            pusher.join()  # the last results reach the scheduler before we leave
+            results.flush()  # the last results reach the scheduler before we leave
             self._stopped.set()
             with contextlib.suppress(redis.RedisError):
                 self._heartbeat(self.redis)  # last word: draining, with what is left
                 self._deregister()
-            reader.join()
-        return 0
+        return status
 
     def step(self, plan: IterationPlan) -> IterationResult:
         """One iteration; admissions while draining and requests preempted for lack of K/V blocks
