@@ -116,6 +116,13 @@ class LlamaModel:
     # 2.17 / 6.99 / 9.07 / 17.3 / 47.3: past 64 rows recomputing 128 candidates a row costs what
     # the screen saves.
     INT4_SCREEN_MAX_ROWS = 64
+    # The same where vnni_linear's int8 screen serves the larger iterations (AVX512_BF16 and
+    # VNNI): int4_q8_linear against vnni_linear over SmolLM2's head, 2-core Zen 4, ms for 1 / 2
+    # / 3 / 4 / 6 rows, in a loop (the copy partly in L3): 0.33 / 0.42 / 0.60 / 0.71 / 1.24
+    # against 0.63 / 0.68 / 0.68 / 0.74 / 0.85; decode tokens/s, int4 up to 4 rows against int8
+    # only, in turns (8 rounds, medians), batch 1 / 3 / 4 / 6: 167.8 / 356.2 / 444.1 against
+    # 161.4 / 348.4 / 429.3; int4 at 6 rows: 535.5 against 581.7.
+    INT4_SCREEN_VNNI_MAX_ROWS = 4
 
     def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int,
                  quantization: str = "none", fast_paths: bool = True,
@@ -154,25 +161,31 @@ class LlamaModel:
         # - elsewhere int8 through `shoal::int8_gemv`: half the bytes of bfloat16 (a quarter of
         #   float32's), 1.36 -> 0.36 ms a row, single-stream decode +6-10% in bfloat16 and +20%
         #   in float32 (2-core Zen 4, session 20).
-        # The int8 screens quantize activations per row and weights per channel alike.
-        self.lm_head_screen: _Screen | None = None
+        # The int8 screens quantize activations per row and weights per channel alike. Where
+        # vnni_linear serves, iterations of up to INT4_SCREEN_VNNI_MAX_ROWS rows take the int4
+        # screen first: a few rows are bound by reading the copy, and int4's is half int8's.
+        # `lm_head_screens`: the screens in ascending `max_rows`; an iteration takes the first
+        # that serves its rows.
+        self.lm_head_screens: list[_Screen] = []
         if (quantization == "none" and self.kernels and cfg.hidden_size % 64 == 0
                 and (tp is None or tp.rank == 0)):  # rank 0 samples
-            if ops.vnni_linear_available():
+            vnni = ops.vnni_linear_available()
+            if ops.int4_q8_available():
+                quads = pack_int4_quads(self.lm_head.float())
+                self.lm_head_screens.append(_Screen(
+                    lambda x: torch.ops.shoal.int4_q8_linear(x, *quads), self.INT4_REFINE_TOP_K,
+                    self.INT4_SCREEN_VNNI_MAX_ROWS if vnni else self.INT4_SCREEN_MAX_ROWS))
+            if vnni:
                 q, scale = quantize_int8(self.lm_head)
                 packed = pack_int8_quads(q, scale.float(), swiglu=False)
-                self.lm_head_screen = _Screen(lambda x: vnni_matmul(x, packed),
-                                              self.INT8_REFINE_TOP_K, sys.maxsize)
-            elif ops.int4_q8_available():
-                quads = pack_int4_quads(self.lm_head.float())
-                self.lm_head_screen = _Screen(
-                    lambda x: torch.ops.shoal.int4_q8_linear(x, *quads), self.INT4_REFINE_TOP_K,
-                    self.INT4_SCREEN_MAX_ROWS)
-            elif ops.int8_gemv_available():
+                self.lm_head_screens.append(_Screen(lambda x: vnni_matmul(x, packed),
+                                                    self.INT8_REFINE_TOP_K, sys.maxsize))
+            elif not self.lm_head_screens and ops.int8_gemv_available():
                 q, scale = quantize_int8(self.lm_head)
                 gemv = (q, scale.float(), q.sum(dim=1, dtype=torch.int32))
-                self.lm_head_screen = _Screen(lambda x: torch.ops.shoal.int8_gemv(x, *gemv),
-                                              self.INT8_REFINE_TOP_K, self.LM_HEAD_SCREEN_MAX_ROWS)
+                self.lm_head_screens.append(_Screen(
+                    lambda x: torch.ops.shoal.int8_gemv(x, *gemv), self.INT8_REFINE_TOP_K,
+                    self.LM_HEAD_SCREEN_MAX_ROWS))
 
         def linear(*names: str, quantize_activations: bool = False, swiglu: bool = False) -> Linear:
             # GGUF's 4-bit levels where every part has them (worker.loader, worker.linear).
@@ -325,9 +338,10 @@ class LlamaModel:
         Args:
             hidden: `[num_sampling_rows, hidden]` float32 rows of `forward`'s output.
             full: return the float32 logits; without them (greedy rows that want no logprobs)
-                only the argmax is made, and iterations the screen serves (`lm_head_screen`:
-                every size, or up to INT4_SCREEN_MAX_ROWS or LM_HEAD_SCREEN_MAX_ROWS rows) take
-                their candidates from a low-precision copy of the LM head. Widening 64 rows of
+                only the argmax is made, and iterations a screen serves (`lm_head_screens`:
+                int4 up to INT4_SCREEN_VNNI_MAX_ROWS rows then int8 at every size, int4 up to
+                INT4_SCREEN_MAX_ROWS, or int8 up to LM_HEAD_SCREEN_MAX_ROWS, by what the kernels
+                were built with) take their candidates from a low-precision copy of the LM head. Widening 64 rows of
                 bfloat16 logits to float32 writes 12 MB, which cost about 1 ms an iteration
                 (62 ms of a W64 run, page faults of the fresh buffer included).
 
@@ -336,9 +350,8 @@ class LlamaModel:
             `[num_sampling_rows]` int64 the argmax of each row (what greedy sampling picks).
         """
         h = F.rms_norm(hidden, (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps)
-        screen = self.lm_head_screen
-        if full or screen is None or h.shape[0] > screen.max_rows:
-            screen = None
+        screen = None if full else next(
+            (s for s in self.lm_head_screens if h.shape[0] <= s.max_rows), None)
         if screen is not None:
             logits = screen.logits(h.to(self.dtype))
         else:
