@@ -164,12 +164,18 @@ def test_decode_attention(dtype, head_dim, block_size, group):
         tables.append(free[:m])
         free = free[m:]
     k_pool, v_pool = _random_cache(g, hkv, num_blocks, block_size, head_dim, dtype)
+    # The kernel never reads a slot past a request's length, whatever it holds (NaN here); the
+    # reference path multiplies them by zero probabilities, so it gets them zeroed.
+    clean = k_pool.clone(), v_pool.clone()
+    for n, table in zip(lens, tables):
+        k_pool[:, table[-1], :, (n - 1) % block_size + 1:] = float("nan")
+        v_pool[:, table[-1], (n - 1) % block_size + 1:] = float("nan")
     q = torch.randn(len(lens), hkv * group, head_dim, generator=g).to(dtype)
     meta = build_metadata(tables, lens, [], block_size)
     scale = head_dim**-0.5
     out = torch.ops.shoal.paged_attention(q, k_pool, v_pool, meta.decode_block_tables,
                                           torch.arange(len(lens) + 1), meta.decode_lens, scale)
-    ref = decode_attention_reference(q.float(), k_pool.float(), v_pool.float(), meta, scale)
+    ref = decode_attention_reference(q.float(), clean[0].float(), clean[1].float(), meta, scale)
     assert out.shape == (len(lens), hkv * group * head_dim) and out.dtype == dtype
     assert out.isfinite().all()
     assert rel(out, ref) <= TOL[dtype]
