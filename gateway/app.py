@@ -50,6 +50,18 @@ from shoal.sampling_params import InvalidSamplingParams, SamplingParams
 
 log = logging.getLogger("shoal.gateway")
 
+# Each request's commands take a connection of the pool, which grows to the requests in flight:
+# a burst of 64 opened 64. Recent redis-py (8.1 here) looks its own version up in the package
+# metadata for every new connection of a pool made by `from_url` (importlib.metadata, 5 ms of
+# CPU each: 0.33 CPU-seconds in a gateway's first W64 run, on cores the worker needs); one
+# lookup serves them all.
+try:
+    from redis.driver_info import DriverInfo
+
+    _CONNECTION_KWARGS: dict[str, Any] = {"driver_info": DriverInfo()}
+except ImportError:  # redis-py without DriverInfo reads its version once, at import
+    _CONNECTION_KWARGS = {}
+
 
 class APIError(Exception):
     """An error returned to the client as an OpenAI-style body."""
@@ -254,7 +266,7 @@ class Gateway:
 
     async def start(self) -> None:
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path)
-        self.redis = aioredis.Redis.from_url(self.redis_url)
+        self.redis = aioredis.Redis.from_url(self.redis_url, **_CONNECTION_KWARGS)
         pubsub = self.redis.pubsub()
         await pubsub.subscribe(self.channel)  # before any request is enqueued
         self.subscribed = True
