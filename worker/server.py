@@ -52,6 +52,39 @@ class WorkerSettings:
     prefix: str = "shoal"
 
 
+class _InFlight:
+    """One Redis command sent without waiting for its reply, on a connection of `client`'s pool
+    held until the reply is read."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._pool = client.connection_pool
+        self._conn: redis.connection.Connection | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self._conn is not None
+
+    def send(self, *args: object) -> None:
+        """Raises: redis.ConnectionError, redis.TimeoutError (then nothing is in flight)."""
+        conn = self._pool.get_connection()
+        try:
+            conn.send_command(*args)
+        except (redis.ConnectionError, redis.TimeoutError):
+            self._pool.release(conn)
+            raise
+        self._conn = conn
+
+    def read(self):
+        """The reply of the command in flight (waiting for it if need be).
+
+        Raises: redis.ConnectionError, redis.TimeoutError (then nothing is in flight)."""
+        conn, self._conn = self._conn, None
+        try:
+            return conn.read_response()
+        finally:
+            self._pool.release(conn)
+
+
 class PlanFeed:
     """This worker's plans, one BLPOP always in flight on a connection of its own.
 
@@ -61,22 +94,17 @@ class PlanFeed:
     """
 
     def __init__(self, url: str, key: str, timeout_s: float = 0.5) -> None:
-        self._redis = redis.Redis.from_url(url)
+        self._blpop = _InFlight(redis.Redis.from_url(url))
         self._key = key
         self._timeout_s = timeout_s
-        self._conn: redis.connection.Connection | None = None
         self._backoff_s = 0.1
 
     def request(self) -> None:
-        """Send the BLPOP for the next plan, unless one is in flight."""
-        if self._conn is None:
-            conn = self._redis.connection_pool.get_connection()
-            try:
-                conn.send_command("BLPOP", self._key, self._timeout_s)
-            except (redis.ConnectionError, redis.TimeoutError):
-                self._redis.connection_pool.release(conn)
-                raise
-            self._conn = conn
+        """Send the BLPOP for the next plan, unless one is in flight.
+
+        Raises: redis.ConnectionError, redis.TimeoutError."""
+        if not self._blpop.pending:
+            self._blpop.send("BLPOP", self._key, self._timeout_s)
 
     def get(self) -> IterationPlan | None:
         """The next plan, or None after `timeout_s` seconds without one or while Redis is
@@ -88,11 +116,7 @@ class PlanFeed:
         """
         try:
             self.request()
-            conn, self._conn = self._conn, None
-            try:
-                item = conn.read_response()
-            finally:
-                self._redis.connection_pool.release(conn)
+            item = self._blpop.read()
         except (redis.ConnectionError, redis.TimeoutError) as e:
             log.warning("Redis unavailable (%s); retrying in %.1f s", e, self._backoff_s)
             time.sleep(self._backoff_s)
@@ -112,39 +136,30 @@ class ResultSink:
     sent at once and its reply read when the next is sent (it is there by then) or at `flush`."""
 
     def __init__(self, url: str, key: str) -> None:
-        self._redis = redis.Redis.from_url(url)
+        self._rpush = _InFlight(redis.Redis.from_url(url))
         self._key = key
-        self._conn: redis.connection.Connection | None = None
         self._iteration = 0  # of the RPUSH in flight
 
     def push(self, result: IterationResult) -> None:
         self.flush()
-        conn = self._redis.connection_pool.get_connection()
+        self._iteration = result.iteration
         try:
-            conn.send_command("RPUSH", self._key, encode(result))
+            self._rpush.send("RPUSH", self._key, encode(result))
         except (redis.ConnectionError, redis.TimeoutError) as e:
-            self._redis.connection_pool.release(conn)
-            self._lost(result.iteration, e)
-            return
-        self._conn, self._iteration = conn, result.iteration
+            self._lost(e)
 
     def flush(self) -> None:
         """Read the reply of the RPUSH in flight, if any: its result has then reached Redis."""
-        if self._conn is None:
-            return
-        conn, self._conn = self._conn, None
-        try:
-            conn.read_response()
-        except (redis.ConnectionError, redis.TimeoutError) as e:
-            self._lost(self._iteration, e)
-        finally:
-            self._redis.connection_pool.release(conn)
+        if self._rpush.pending:
+            try:
+                self._rpush.read()
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                self._lost(e)
 
-    @staticmethod
-    def _lost(iteration: int, e: Exception) -> None:
+    def _lost(self, e: Exception) -> None:
         # Lost with the connection, as the plans in flight are: a scheduler that takes over
         # resets this engine and admits its requests again.
-        log.warning("Redis unavailable (%s); iteration %d's result may be lost", e, iteration)
+        log.warning("Redis unavailable (%s); iteration %d's result may be lost", e, self._iteration)
 
 
 class WorkerServer:
