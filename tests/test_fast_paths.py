@@ -193,9 +193,9 @@ def test_greedy_rows_screened_through_a_low_precision_lm_head_are_the_exact_argm
     int4 one (up to 4 rows where vnni_linear serves beyond, up to 64 on AVX2-only CPUs): over
     512 positions of a real text and 512 of random-token contexts (flatter distributions: there
     the exact best once ranked 12th among the int8 logits, past the 8 candidates first
-    recomputed), in iterations of 1, 4, 6 and 64 rows where the screens take them, every pick is float32
-    arithmetic's argmax, or ties it within the rounding of another summation order (two logits
-    4e-6 apart once swapped, on kernels built for AVX-512 without AVX512_BF16)."""
+    recomputed), in iterations of 1, 4, 6 and 64 rows where the screens take them, every pick
+    is float32 arithmetic's argmax, or ties it within the rounding of another summation order
+    (two logits 4e-6 apart once swapped, on kernels built for AVX-512 without AVX512_BF16)."""
     import random
 
     import torch.nn.functional as F

@@ -341,9 +341,10 @@ class LlamaModel:
                 only the argmax is made, and iterations a screen serves (`lm_head_screens`:
                 int4 up to INT4_SCREEN_VNNI_MAX_ROWS rows then int8 at every size, int4 up to
                 INT4_SCREEN_MAX_ROWS, or int8 up to LM_HEAD_SCREEN_MAX_ROWS, by what the kernels
-                were built with) take their candidates from a low-precision copy of the LM head. Widening 64 rows of
-                bfloat16 logits to float32 writes 12 MB, which cost about 1 ms an iteration
-                (62 ms of a W64 run, page faults of the fresh buffer included).
+                were built with) take their candidates from a low-precision copy of the LM
+                head. Widening 64 rows of bfloat16 logits to float32 writes 12 MB, which cost
+                about 1 ms an iteration (62 ms of a W64 run, page faults of the fresh buffer
+                included).
 
         Returns:
             `[num_sampling_rows, vocab_size]` float32 logits (None unless `full`), and

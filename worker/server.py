@@ -127,7 +127,8 @@ class PlanFeed:
             return None
         plan = decode(item[1])
         if not isinstance(plan, IterationPlan):
-            raise ProtocolError(f"expected an IterationPlan on {self._key}, got {type(plan).__name__}")
+            raise ProtocolError(f"expected an IterationPlan on {self._key}, "
+                                f"got {type(plan).__name__}")
         return plan
 
 
