@@ -84,14 +84,13 @@ def test_bench_engine_quick_writes_its_json(tmp_path):
     assert "generated tokens/s" in r.stdout
     levels = figures["q4_levels"]  # SmolLM2 ships all 120 projections as Q4_1
     assert levels["of"] == 120 and levels["projections"] in (0, 120)
-    if figures["cpu_kernels"] and figures["avx512_bf16"] and not figures["amx"]:
+    if figures["cpu_kernels"] and figures["avx512_bf16"]:  # q4_linear, or q4_amx_linear
         assert levels["projections"] == 120 and levels["max_rows"] >= 8
-    # Where the C++ kernels serve (dp_linear's pairs in bfloat16, f32_linear's lanes in float32;
-    # not AMX tiles), iterations of up to STACK_MAX_ROWS run all layers in one call.
+    # Where the C++ kernels serve (AMX tiles, dp_linear's pairs in bfloat16, f32_linear's lanes
+    # in float32), iterations of up to STACK_MAX_ROWS run all layers in one call.
     from worker.model import STACK_MAX_ROWS
 
-    stacked = figures["cpu_kernels"] and not figures["amx"]
-    assert figures["decode_stack_max_rows"] == (STACK_MAX_ROWS if stacked else 0)
+    assert figures["decode_stack_max_rows"] == (STACK_MAX_ROWS if figures["cpu_kernels"] else 0)
 
 
 def test_bench_engine_quick_samples_and_speculates_when_asked(tmp_path):

@@ -24,6 +24,7 @@ from worker.linear import (
     INT4_Q8_MAX_ROWS,
     LANES_MAX_ROWS,
     LM_HEAD_DP_MAX_ROWS,
+    Q4_AMX_MAX_ROWS,
     Q4_LANES_MAX_ROWS,
     Q4_MAX_ROWS,
     QUANTIZED_MAX_ROWS,
@@ -397,10 +398,31 @@ def test_q4_lanes_linear_gives_f32_linears_bits_from_4_bit_levels(out_features, 
         assert rel(y, torch.nn.functional.linear(x, w)) <= 1e-5
 
 
+@pytest.mark.skipif(not ops.amx_available(), reason="needs AMX")
+@pytest.mark.parametrize(("out_features", "in_features"), [(32, 64), (96, 576), (960, 128)])
+def test_q4_amx_linear_gives_amx_linears_bits_from_4_bit_levels(out_features, in_features):
+    """On AMX CPUs the levels go through shoal::q4_amx_linear, which rebuilds each pair of
+    blocks' weight tiles and must return amx_linear's result over the bfloat16 weight to the bit
+    (dp_linear's differs there), for one and two row tiles, several pairs of 32 rows and more
+    than one 256-row pass; the values are also checked against float32 math."""
+    g = torch.Generator().manual_seed(75 + in_features)
+    levels, scale_min = random_q4_levels(out_features, in_features, g)
+    w = q4_weight(levels, scale_min, torch.bfloat16)
+    packed, pairs = pack_q4_pairs(levels, scale_min), torch.ops.shoal.pack_weight_pairs(w)
+    for rows in (1, 2, 16, 17, 33, 64, 300):
+        x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+        y = torch.ops.shoal.q4_amx_linear(x, packed)
+        assert torch.equal(y.view(torch.int16), torch.ops.shoal.amx_linear(x, pairs).view(torch.int16))
+        assert rel(y, torch.nn.functional.linear(x.float(), w.float())) <= 5e-3
+    with pytest.raises(RuntimeError, match="packed weight"):
+        torch.ops.shoal.q4_amx_linear(torch.zeros(1, in_features + 32, dtype=torch.bfloat16),
+                                      packed)
+
+
 def _q4_served(dtype: torch.dtype) -> bool:
     """Whether a Linear of `dtype` takes 4-bit levels on this CPU (worker/linear.py)."""
     if dtype == torch.bfloat16:
-        return ops.dp_linear_available() and not ops.amx_available()
+        return ops.dp_linear_available() or ops.amx_available()
     return ops.lanes_linear_available()
 
 
@@ -408,7 +430,7 @@ def _q4_served(dtype: torch.dtype) -> bool:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_linear_serves_few_rows_from_levels_that_give_back_its_weight(dtype, swiglu, caplog):
     """A Linear given the levels its weight came from serves iterations of up to Q4_MAX_ROWS
-    rows (bfloat16) or Q4_LANES_MAX_ROWS (float32) from them (with its other copies zeroed,
+    rows (bfloat16; Q4_AMX_MAX_ROWS on AMX CPUs) or Q4_LANES_MAX_ROWS (float32) from them (with its other copies zeroed,
     exactly those rows still come out right); levels that do not give back the weight are
     refused, with a warning."""
     if not _q4_served(dtype):
@@ -417,7 +439,8 @@ def test_linear_serves_few_rows_from_levels_that_give_back_its_weight(dtype, swi
     levels, scale_min = random_q4_levels(64, 96, g)
     w = q4_weight(levels, scale_min, dtype)
     lin = Linear(w, kernels=True, swiglu=swiglu, q4=(levels, scale_min))
-    max_rows = Q4_MAX_ROWS if dtype == torch.bfloat16 else Q4_LANES_MAX_ROWS
+    max_rows = ((Q4_AMX_MAX_ROWS if lin.amx else Q4_MAX_ROWS) if dtype == torch.bfloat16
+                else Q4_LANES_MAX_ROWS)
     assert lin.q4 is not None and lin.q4_max_rows == max_rows
     assert lin.q4_lanes == (dtype == torch.float32)
     if dtype == torch.bfloat16:

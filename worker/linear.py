@@ -103,8 +103,12 @@ for the number of rows an iteration brings.
   `Q4_LANES_MAX_ROWS` rows: a decode step reads 67 MB instead of 425; single-stream decode
   40-63 -> 103-113 tokens/s with `--dtype float32` on the Zen 4 (AVX2-only CPUs run the same
   code on pairs of ymm registers; not measured there).
-  Not on AMX CPUs (amx_linear's tiles sum in another order, so the bits would differ), nor
-  under `--quantization`. Tensor-parallel shards carry their part of the levels (the row-parallel
+  On AMX CPUs, where amx_linear serves and its tiles sum in another order than dp_linear's
+  `vdpbf16ps` (about one output in 2,000 differs by a bfloat16 unit), `shoal::q4_amx_linear`
+  rebuilds each pair of blocks' weight tiles from the levels into a scratch buffer and runs
+  amx_linear's tile products in its order: amx_linear's bits, for iterations of up to
+  Q4_AMX_MAX_ROWS rows (single-stream decode 73.5 -> 93.6 tokens/s on a 2-core Xeon with AMX,
+  104.5 with `decode_stack`; session 25). Not under `--quantization`. Tensor-parallel shards carry their part of the levels (the row-parallel
   ones split by inputs, whole groups of 32 where the split falls on them, else not used).
 - **Lanes kernels for float32 iterations of a few rows under `--quantization`**
   (`shoal::int8_linear`, `shoal::int4_linear`, any AVX-512 CPU): where the engine serves float32
@@ -207,6 +211,13 @@ Q4_MAX_ROWS = 8
 # f32_linear 12.0 / 12.9 / 13.1 / 20.2 / 34.4 / 50.8-58.7 / 75.5 / 127, q4_lanes_linear 5.4 /
 # 6.3 / 7.8 / 14.3 / 27.0 / 47.3-53.1 / 74.9 / 140.
 Q4_LANES_MAX_ROWS = 32
+# shoal::q4_amx_linear (the levels on AMX tiles, amx_linear's bits) beats amx_linear up to here:
+# all 120 SmolLM2 projections, 2-core Xeon with AMX, ms (runs in turns in one process; docs/
+# benchmarks.md, session 25), amx_linear / q4_amx_linear: 1 row 10.8 / 8.5, 8 rows 14.0 / 9.3,
+# 32 rows 11.1 / 8.8, 64 rows 14.6 / 13.6, 96 rows 16.6 / 17.1, 128 rows 21.0 / 20.1. In the
+# engine (decode tokens/s in turns, medians of 5) the levels gained at 16 rows (731 -> 910) and
+# not past 32 (48 rows 1,137 / 1,226, 64 rows 1,312 / 1,202: within the host's noise).
+Q4_AMX_MAX_ROWS = 32
 # SmolLM2's LM head ([49152, 576]) through dp_linear against oneDNN, ms (2-core Zen 5, A/B
 # interleaved): 8 rows 0.92 / 1.26, 64 rows 4.67 / 4.85, 128 rows 10.25 / 9.30, 256 rows 19.6 /
 # 17.0 (why was not investigated), so it stops earlier. Session 8, another Zen 5 host: 16 rows
@@ -488,7 +499,8 @@ class Linear:
         q4: the GGUF 4-bit levels `[out, in]` uint8 and scales `[out, in / 32, 2]` float16 the
             weight was dequantized from (worker.loader), or None. Unquantized, where the levels
             give back the weight bit for bit (checked here), iterations of up to Q4_MAX_ROWS rows
-            read them through `shoal::q4_linear` where dp_linear serves (bfloat16), and of up to
+            read them through `shoal::q4_linear` where dp_linear serves (bfloat16; of up to
+            Q4_AMX_MAX_ROWS through `shoal::q4_amx_linear` where amx_linear does), and of up to
             Q4_LANES_MAX_ROWS through `shoal::q4_lanes_linear` where f32_linear does (float32):
             the unquantized kernel's result from a third (a sixth) of the bytes.
 
@@ -582,7 +594,10 @@ class Linear:
         self.q4_lanes = False
         self.q4_max_rows = 0
         if q4 is not None and quantization == "none":
-            if self.pairs is not None and not self.amx and self.pairs_max_rows >= Q4_MAX_ROWS:
+            if self.amx:  # shoal::q4_amx_linear, amx_linear's bits
+                self.q4 = self._pack_q4(weight, *q4, pack_q4_pairs)
+                self.q4_max_rows = Q4_AMX_MAX_ROWS
+            elif self.pairs is not None and self.pairs_max_rows >= Q4_MAX_ROWS:
                 self.q4 = self._pack_q4(weight, *q4, pack_q4_pairs)
                 self.q4_max_rows = Q4_MAX_ROWS
             elif self.lanes_op is not None and quantization == "none":  # f32_linear's lanes
@@ -638,6 +653,8 @@ class Linear:
         if x.shape[0] <= self.q4_max_rows:
             if self.q4_lanes:
                 return torch.ops.shoal.q4_lanes_linear(x, self.q4)
+            if self.amx:
+                return torch.ops.shoal.q4_amx_linear(x, self.q4)
             y = torch.ops.shoal.q4_linear(x, self.q4, False)
             return swiglu_deinterleave(y) if self.swiglu_pairs else y
         if x.shape[0] <= self.max_quantized_rows:
@@ -681,7 +698,8 @@ class Linear:
         the kernel `__call__` (and `silu_and_mul`) runs for it is one the stack runs too (the
         same kernel, so the same bits): the 4-bit levels (`shoal::q4_linear` or
         `q4_lanes_linear`), float32 lanes (`f32_linear`) or bfloat16 pairs (`dp_linear`, its
-        SwiGLU form for gate/up). None where another kernel serves those rows. The checks
+        SwiGLU form for gate/up); on AMX CPUs the levels through `shoal::q4_amx_linear` or
+        the pairs through `amx_linear`. None where another kernel serves those rows. The checks
         follow `__call__`'s order."""
         if rows <= self.q4_max_rows:
             return self.q4
@@ -689,9 +707,9 @@ class Linear:
             return None
         if rows <= self.lanes_max_rows:
             return self.lanes[0] if self.lanes_op is torch.ops.shoal.f32_linear else None
-        if self.uses_w8a8(rows) or rows > self.pairs_max_rows or self.amx:
+        if self.uses_w8a8(rows) or rows > self.pairs_max_rows:
             return None
-        return self.pairs if self.swiglu_pairs or not self.swiglu else None
+        return self.pairs if self.amx or self.swiglu_pairs or not self.swiglu else None
 
     def _w8a8(self, x: torch.Tensor, silu_and_mul: bool) -> torch.Tensor:
         if self.vnni_w8a8 is not None:

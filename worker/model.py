@@ -225,7 +225,8 @@ class LlamaModel:
         # same bits), without the ~240 op calls a step makes from Python otherwise. `stacks`:
         # (most rows, weights) in ascending rows, the weights per layer the attention norm,
         # QKV, O, MLP norm, gate/up and down; a new entry where some projection's operand
-        # changes (SmolLM2 in bfloat16: the 4-bit levels up to 8 rows, then bfloat16 pairs).
+        # changes (SmolLM2 in bfloat16: the 4-bit levels up to 8 rows, 32 on AMX CPUs, then
+        # bfloat16 pairs).
         self.stacks: list[tuple[int, list[torch.Tensor]]] = []
         self.stack_pairs = self.dtype == torch.bfloat16  # bfloat16 kernels, else float32 lanes
         if (self.kernels and tp is None and hasattr(torch.ops.shoal, "decode_stack")

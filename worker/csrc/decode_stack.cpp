@@ -17,7 +17,10 @@ namespace shoal {
 //                is for: uint8 GGUF 4-bit levels through q4_lanes_linear (float32) or, with
 //                `pairs`, q4_linear (bfloat16); float32 lanes through f32_linear; bfloat16
 //                pairs through dp_linear. With `pairs` gate and up blocks are interleaved
-//                (dp_linear_silu's and q4_linear's SwiGLU order).
+//                (dp_linear_silu's and q4_linear's SwiGLU order). Where AMX serves (the
+//                process may use its tiles: worker/linear.py then chose them), bfloat16 levels
+//                go through q4_amx_linear and pairs through amx_linear, gate and up in order,
+//                then silu_and_mul.
 //   output_rows  the rows whose output is wanted (the last layer's O and MLP run on them
 //                alone), or none for all.
 // Returns the last layer's output [rows, hidden] float32, before the final RMSNorm.
@@ -38,8 +41,17 @@ Tensor decode_stack(const Tensor& embedded, at::TensorList weights, at::TensorLi
   TORCH_CHECK(pairs, "decode_stack: the float32 lanes kernels are not built on this CPU");
 #endif
   const at::ScalarType dtype = pairs ? at::kBFloat16 : at::kFloat;
+#ifdef SHOAL_AMX
+  const bool amx = pairs && amx_permitted();
+#endif
   const auto linear = [&](const Tensor& in, const Tensor& packed, bool silu) -> Tensor {
     const bool levels = packed.scalar_type() == at::kByte;
+#ifdef SHOAL_AMX
+    if (amx) {
+      Tensor y = levels ? q4_amx_linear(in, packed) : amx_linear(in, packed);
+      return silu ? silu_and_mul(y) : y;
+    }
+#endif
 #ifdef SHOAL_BF16_PAIRS
     if (pairs) {
       if (levels) return q4_linear(in, packed, silu);

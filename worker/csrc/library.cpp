@@ -69,6 +69,7 @@ TORCH_LIBRARY(shoal, m) {
 #endif
 #ifdef SHOAL_AMX
   m.def("amx_linear(Tensor x, Tensor packed) -> Tensor");
+  m.def("q4_amx_linear(Tensor x, Tensor packed) -> Tensor");
 #endif
 }
 
@@ -108,6 +109,7 @@ TORCH_LIBRARY_IMPL(shoal, CPU, m) {
 #endif
 #ifdef SHOAL_AMX
   m.impl("amx_linear", &amx_linear);
+  m.impl("q4_amx_linear", &q4_amx_linear);
 #endif
 }
 

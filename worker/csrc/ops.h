@@ -64,6 +64,7 @@ Tensor vnni_linear(const Tensor& x_in, const Tensor& row_scale, const Tensor& pa
 #endif
 #ifdef SHOAL_AMX
 Tensor amx_linear(const Tensor& x_in, const Tensor& packed);
+Tensor q4_amx_linear(const Tensor& x_in, const Tensor& packed);
 #endif
 
 // decode_stack.cpp

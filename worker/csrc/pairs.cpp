@@ -7,6 +7,9 @@
 
 #include <ATen/ops/zeros.h>
 
+#include <cstdlib>
+#include <memory>
+
 namespace shoal {
 
 #ifdef SHOAL_BF16_PAIRS
@@ -78,17 +81,19 @@ inline void store_rows(const float* c, uint16_t* y, int64_t m, int64_t n, int64_
 // rows of x: every tile of x loaded serves both weight tiles. Accumulators tmm0-3 are
 // (rows 0-15, w0), (rows 16-31, w0), (rows 0-15, w1), (rows 16-31, w1). Meanwhile `pf_lines`
 // 64-byte lines from `pf` (a slice of the next pair's weights) are asked for into L2, spread
-// over the K / 32 steps.
-template <int MB>
+// over the K / 32 steps. `ready(j)` runs before the weight tiles of step j are loaded (a
+// source that writes them there, as q4_amx_linear's does, writes them then).
+template <int MB, class Ready>
 inline void amx_pair(const uint16_t* x, const uint16_t* w0, const uint16_t* w1, uint16_t* y,
                      int64_t m, int64_t k, int64_t n, int64_t nb, float* c, const char* pf,
-                     int64_t pf_lines) {
+                     int64_t pf_lines, const Ready& ready) {
   _tile_zero(0);
   _tile_zero(2);
   if (MB > 1) { _tile_zero(1); _tile_zero(3); }
   const int64_t kt = k / 32;
   int64_t due = 0;
   for (int64_t j = 0; j < kt; ++j) {
+    ready(j);
     _tile_loadd(6, w0 + j * 512, 64);
     _tile_loadd(7, w1 + j * 512, 64);
     _tile_loadd(4, x + j * 32, k * 2);
@@ -114,36 +119,40 @@ inline void amx_pair(const uint16_t* x, const uint16_t* w0, const uint16_t* w1, 
 constexpr int64_t kAmxRowBlock = 256;
 
 // Output blocks [begin, end) (an even range) for all m rows of x (padded to 16-row tiles), 32
-// rows at a time: past the first 32 the pair's weight tiles come from cache, not memory.
+// rows at a time: past the first 32 the pair's weight tiles come from cache, not memory. `src`
+// gives each pair's weights (PackedPairs, Q4Pairs).
 //
-// Past 16 rows each pair also asks for the next pair's weights into L2, spread over its row
-// tiles: the tile loads wait on the tile products before them (there are 8 tile registers and no
+// Past Source::kPrefetchAbove rows (packed weights: 16) each pair also asks for the next pair's
+// weights into L2, spread over its row tiles: the tile loads wait on the tile products before them (there are 8 tile registers and no
 // renaming), so with more than one row tile the hardware prefetcher's stream fell behind. All of
 // SmolLM2's 120 projections from DRAM, medians of interleaved runs (2-core Xeon with AMX): 32 rows
 // 11.7 -> 10.9 ms, 48 rows 13.6 -> 12.7, 64 rows 14.7 -> 14.2, 128 rows 21.6 -> 20.9; W64
 // in-process 2.88-2.95 -> 2.76-2.82 s. At 1-16 rows (one row tile, the stream already at the
 // memory's pace) it cost 1-6%, so it is left out there.
-void amx_linear_blocks(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m, int64_t k,
+template <class Source>
+void amx_linear_blocks(const uint16_t* x, const Source& src, uint16_t* y, int64_t m, int64_t k,
                        int64_t n, int64_t begin, int64_t end) {
   static const TileConfig config;
   _tile_loadconfig(&config);
   const int64_t kt = k / 32;
-  const int64_t pair = 2 * kt * 512;            // elements of a pair's weights
-  const int64_t pair_lines = pair * 2 / 64;     // ... in 64-byte lines
   alignas(64) float c[16 * 16];
   for (int64_t m0 = 0; m0 < m; m0 += kAmxRowBlock) {  // these rows of x stay in cache
     const int64_t m1 = std::min(m, m0 + kAmxRowBlock);
     const int64_t tiles = (m1 - m0 + 31) / 32;
     for (int64_t nb = begin; nb < end; nb += 2) {
-      const uint16_t* w0 = w + nb * kt * 512;
-      const char* pf = m > 16 && nb + 2 < end ? reinterpret_cast<const char*>(w0 + pair) : nullptr;
+      const uint16_t* w0 = src.pair(nb);
+      const char* pf = m > Source::kPrefetchAbove && nb + 2 < end ? src.next(nb) : nullptr;
       int64_t t = 0;
       for (int64_t r = m0; r < m1; r += 32, ++t) {
-        const int64_t lines = pf ? share(pair_lines, tiles, t) : 0;
+        const int64_t lines = pf ? share(src.next_lines(), tiles, t) : 0;
+        // The pair's weight tiles are made ready for the first row tile; the others reuse them.
+        const auto ready = [&, first = r == m0](int64_t j) { if (first) src.ready(nb, j); };
         if (m - r > 16)
-          amx_pair<2>(x + r * k, w0, w0 + kt * 512, y + r * n, m - r, k, n, nb, c, pf, lines);
+          amx_pair<2>(x + r * k, w0, w0 + kt * 512, y + r * n, m - r, k, n, nb, c, pf, lines,
+                      ready);
         else
-          amx_pair<1>(x + r * k, w0, w0 + kt * 512, y + r * n, m - r, k, n, nb, c, pf, lines);
+          amx_pair<1>(x + r * k, w0, w0 + kt * 512, y + r * n, m - r, k, n, nb, c, pf, lines,
+                      ready);
         if (pf) pf += 64 * lines;
       }
     }
@@ -152,30 +161,55 @@ void amx_linear_blocks(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 }
 #undef SHOAL_STORE_TILE
 
-// y = x W^T for x `[M, K]` bfloat16 (any M >= 1) against W packed by pack_weight_pairs; returns
-// `[M, N]` bfloat16 (float32 accumulation).
-Tensor amx_linear(const Tensor& x_in, const Tensor& packed) {
-  const auto [x, n] = pair_linear_input(x_in, packed);
+// amx_linear_blocks' source of weights that lie packed by pack_weight_pairs.
+struct PackedPairs {
+  const uint16_t* w;
+  int64_t kt;  // K / 32
+  // Blocks nb and nb + 1, [2][K / 32][512] bfloat16.
+  const uint16_t* pair(int64_t nb) const { return w + nb * kt * 512; }
+  void ready(int64_t, int64_t) const {}
+  // The next pair, asked for into L2 while this one runs in iterations of more than
+  // kPrefetchAbove rows (see amx_linear_blocks), and its 64-byte lines.
+  static constexpr int64_t kPrefetchAbove = 16;
+  const char* next(int64_t nb) const { return reinterpret_cast<const char*>(pair(nb + 2)); }
+  int64_t next_lines() const { return 2 * kt * 512 * 2 / 64; }
+};
+
+// y `[M, N]` bfloat16 = x W^T over AMX tiles, the weights' pairs of output blocks from the
+// source `make_source(scratch)` gives each thread (`scratch_elems` bfloat16 of its own, 64-byte
+// aligned, or none). One contiguous run of pairs per thread: each streams its share once.
+template <class MakeSource>
+Tensor amx_linear_run(const Tensor& x, int64_t n, int64_t scratch_elems,
+                      const MakeSource& make_source) {
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(m >= 1, "amx_linear needs at least one row");
+  TORCH_CHECK(m >= 1, "an AMX projection needs at least one row");
   TORCH_CHECK(amx_permitted(), "AMX is not available to this process");
-  const int mb = static_cast<int>((m + 15) / 16);
   // Rows padded to whole tiles with zeros (their products are never stored).
   Tensor xp = x;
   if (m % 16) {
-    xp = at::zeros({16 * mb, k}, x.options());
+    xp = at::zeros({(m + 15) / 16 * 16, k}, x.options());
     xp.narrow(0, 0, m).copy_(x);
   }
   Tensor y = at::empty({m, n}, x.options());
   const uint16_t* xq = ptr<uint16_t>(xp);
-  const uint16_t* wq = ptr<uint16_t>(packed);
   uint16_t* yq = ptr<uint16_t>(y);
-  // One contiguous run of output blocks per thread: each streams its share of the weights once.
   const int64_t pairs = n / 32, threads = at::get_num_threads();
   at::parallel_for(0, pairs, (pairs + threads - 1) / threads, [&](int64_t begin, int64_t end) {
-    amx_linear_blocks(xq, wq, yq, m, k, n, 2 * begin, 2 * end);
+    std::unique_ptr<uint16_t[], decltype(&std::free)> scratch(
+        scratch_elems ? static_cast<uint16_t*>(std::aligned_alloc(64, 2 * scratch_elems))
+                      : nullptr,
+        &std::free);
+    amx_linear_blocks(xq, make_source(scratch.get()), yq, m, k, n, 2 * begin, 2 * end);
   });
   return y;
+}
+
+// y = x W^T for x `[M, K]` bfloat16 (any M >= 1) against W packed by pack_weight_pairs; returns
+// `[M, N]` bfloat16 (float32 accumulation).
+Tensor amx_linear(const Tensor& x_in, const Tensor& packed) {
+  const auto [x, n] = pair_linear_input(x_in, packed);
+  const PackedPairs source{ptr<uint16_t>(packed), x.size(1) / 32};
+  return amx_linear_run(x, n, 0, [&](uint16_t*) { return source; });
 }
 #endif
 
@@ -556,16 +590,23 @@ void q4_linear_run(const char* x, const char* w, int64_t m, int64_t row_bytes, i
 // (pack_q4_pairs); returns `[M, N]` bfloat16, or with `silu_and_mul` (gate and up blocks
 // interleaved, as for dp_linear_silu) `[M, N / 2]` silu(gate) * up: what dp_linear and
 // dp_linear_silu return for the bfloat16 weight the levels stand for, bit for bit.
-Tensor q4_linear(const Tensor& x_in, const Tensor& packed, bool silu_and_mul) {
+// x `[M, K]` bfloat16, contiguous, checked against levels packed by pack_q4_pairs; N.
+std::tuple<Tensor, int64_t> q4_linear_input(const Tensor& x_in, const Tensor& packed) {
   TORCH_CHECK(x_in.device().is_cpu(), "x must be on the CPU");
-  const Tensor x = x_in.contiguous();
+  Tensor x = x_in.contiguous();
   check_cpu_contiguous(packed, "packed weight");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "x must be bfloat16 [M, K]");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 &&
               packed.size(2) == kQ4GroupBytes && packed.size(1) * 32 == x.size(1),
               "packed weight [N / 16, K / 32, ", kQ4GroupBytes, "] uint8 for K = ", x.size(1));
-  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * 16;
+  const int64_t n = packed.size(0) * 16;
   TORCH_CHECK(n % 32 == 0, "N must be a multiple of 32");
+  return {x, n};
+}
+
+Tensor q4_linear(const Tensor& x_in, const Tensor& packed, bool silu_and_mul) {
+  const auto [x, n] = q4_linear_input(x_in, packed);
+  const int64_t m = x.size(0), k = x.size(1);
   Tensor y = at::empty({m, silu_and_mul ? n / 2 : n}, x.options());
   auto run = [&](const auto& store) {
     if (m <= kQ4FewRows)
@@ -576,6 +617,45 @@ Tensor q4_linear(const Tensor& x_in, const Tensor& packed, bool silu_and_mul) {
   else run(DpStore{ptr<uint16_t>(y), n});
   return y;
 }
+
+#ifdef SHOAL_AMX
+// The same levels on AMX CPUs, with amx_linear's result to the bit: amx_linear_blocks' tiles
+// and order, each pair of output blocks' weight tiles rebuilt (q4_step) into a scratch of the
+// thread's while its first row tile runs, step j just before the tiles load it. (dp_linear's
+// vdpbf16ps sums differ from the tiles' in about one output of 2,000 by a bfloat16 unit, so
+// q4_linear cannot stand in for amx_linear.)
+struct Q4Pairs {
+  const char* w;  // levels packed by pack_q4_pairs
+  int64_t kt;     // K / 32
+  uint16_t* scratch;  // [2][K / 32][512] bfloat16: the pair in pack_weight_pairs' layout
+  const uint16_t* pair(int64_t) const { return scratch; }
+  void ready(int64_t nb, int64_t j) const {
+    for (int64_t b = 0; b < 2; ++b) {
+      const char* group = w + ((nb + b) * kt + j) * kQ4GroupBytes;
+      const Q4Scales sc = q4_scales(group);
+      uint16_t* tile = scratch + (b * kt + j) * 512;
+      for (int64_t s = 0; s < 16; ++s)
+        _mm512_store_si512(tile + 32 * s, (__m512i)q4_step(group + 64 + 16 * s, sc));
+    }
+  }
+  // Rebuilding the tiles sets the pace, and the next pair's levels asked for ahead keep it
+  // there at every size: SmolLM2's 120 projections at 1 / 4 / 16 rows, 2-core Xeon with AMX, in
+  // turns: 9.3-9.5 / 9.1-10.5 / 9.0 ms without, 7.6-8.7 / 7.6-8.8 / 6.8-7.8 with.
+  static constexpr int64_t kPrefetchAbove = 0;
+  const char* next(int64_t nb) const { return w + (nb + 2) * kt * kQ4GroupBytes; }
+  int64_t next_lines() const { return 2 * kt * kQ4GroupBytes / 64; }
+};
+
+// y = x W^T for x `[M, K]` bfloat16 (any M >= 1) against `packed` (pack_q4_pairs); returns
+// `[M, N]` bfloat16: what amx_linear returns for the bfloat16 weight the levels stand for.
+Tensor q4_amx_linear(const Tensor& x_in, const Tensor& packed) {
+  const auto [x, n] = q4_linear_input(x_in, packed);
+  const int64_t kt = x.size(1) / 32;
+  const char* w = bytes(packed);
+  return amx_linear_run(x, n, 2 * kt * 512,
+                        [&](uint16_t* scratch) { return Q4Pairs{w, kt, scratch}; });
+}
+#endif
 
 #if defined(__AVX512VNNI__)
 // W8A8's matmul with its dequantization: x `[M, K]` uint8, the int8 activations of quantize_rows
