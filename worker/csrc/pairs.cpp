@@ -5,10 +5,9 @@
 #include "common.h"
 #include "ops.h"
 
-#include <ATen/ops/zeros.h>
-
 #include <cstdlib>
 #include <memory>
+#include <vector>
 
 namespace shoal {
 
@@ -78,13 +77,14 @@ inline void store_rows(const float* c, uint16_t* y, int64_t m, int64_t n, int64_
   store_rows(c, y, m, n, i, nb)
 
 // One pair of output blocks (weights w0, w1: K / 32 tiles each) for MB (1 or 2) blocks of 16
-// rows of x: every tile of x loaded serves both weight tiles. Accumulators tmm0-3 are
+// rows of x (x0 and x1, each 16 rows of K): every tile of x loaded serves both weight tiles. Accumulators tmm0-3 are
 // (rows 0-15, w0), (rows 16-31, w0), (rows 0-15, w1), (rows 16-31, w1). Meanwhile `pf_lines`
 // 64-byte lines from `pf` (a slice of the next pair's weights) are asked for into L2, spread
 // over the K / 32 steps. `ready(j)` runs before the weight tiles of step j are loaded (a
 // source that writes them there, as q4_amx_linear's does, writes them then).
 template <int MB, class Ready>
-inline void amx_pair(const uint16_t* x, const uint16_t* w0, const uint16_t* w1, uint16_t* y,
+inline void amx_pair(const uint16_t* x0, const uint16_t* x1, const uint16_t* w0,
+                     const uint16_t* w1, uint16_t* y,
                      int64_t m, int64_t k, int64_t n, int64_t nb, float* c, const char* pf,
                      int64_t pf_lines, const Ready& ready) {
   _tile_zero(0);
@@ -96,12 +96,12 @@ inline void amx_pair(const uint16_t* x, const uint16_t* w0, const uint16_t* w1, 
     ready(j);
     _tile_loadd(6, w0 + j * 512, 64);
     _tile_loadd(7, w1 + j * 512, 64);
-    _tile_loadd(4, x + j * 32, k * 2);
+    _tile_loadd(4, x0 + j * 32, k * 2);
     prefetch_step<2>(pf, due, pf_lines, kt);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(2, 4, 7);
     if (MB > 1) {
-      _tile_loadd(5, x + 16 * k + j * 32, k * 2);
+      _tile_loadd(5, x1 + j * 32, k * 2);
       _tile_dpbf16ps(1, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -118,9 +118,10 @@ inline void amx_pair(const uint16_t* x, const uint16_t* w0, const uint16_t* w1, 
 // range is computed for them.
 constexpr int64_t kAmxRowBlock = 256;
 
-// Output blocks [begin, end) (an even range) for all m rows of x (padded to 16-row tiles), 32
-// rows at a time: past the first 32 the pair's weight tiles come from cache, not memory. `src`
-// gives each pair's weights (PackedPairs, Q4Pairs).
+// Output blocks [begin, end) (an even range) for all m rows of x, 32 rows at a time: past the
+// first 32 the pair's weight tiles come from cache, not memory. A tile loads 16 rows: those of
+// a last partial tile come from `tail` (16 rows of K, zero-padded). `src` gives each pair's
+// weights (PackedPairs, Q4Pairs).
 //
 // Past Source::kPrefetchAbove rows (packed weights: 16) each pair also asks for the next pair's
 // weights into L2, spread over its row tiles: the tile loads wait on the tile products before them (there are 8 tile registers and no
@@ -130,12 +131,13 @@ constexpr int64_t kAmxRowBlock = 256;
 // in-process 2.88-2.95 -> 2.76-2.82 s. At 1-16 rows (one row tile, the stream already at the
 // memory's pace) it cost 1-6%, so it is left out there.
 template <class Source>
-void amx_linear_blocks(const uint16_t* x, const Source& src, uint16_t* y, int64_t m, int64_t k,
-                       int64_t n, int64_t begin, int64_t end) {
+void amx_linear_blocks(const uint16_t* x, const uint16_t* tail, const Source& src, uint16_t* y,
+                       int64_t m, int64_t k, int64_t n, int64_t begin, int64_t end) {
   static const TileConfig config;
   _tile_loadconfig(&config);
   const int64_t kt = k / 32;
   alignas(64) float c[16 * 16];
+  const auto rows = [&](int64_t r) { return r + 16 <= m ? x + r * k : tail; };
   for (int64_t m0 = 0; m0 < m; m0 += kAmxRowBlock) {  // these rows of x stay in cache
     const int64_t m1 = std::min(m, m0 + kAmxRowBlock);
     const int64_t tiles = (m1 - m0 + 31) / 32;
@@ -148,11 +150,11 @@ void amx_linear_blocks(const uint16_t* x, const Source& src, uint16_t* y, int64_
         // The pair's weight tiles are made ready for the first row tile; the others reuse them.
         const auto ready = [&, first = r == m0](int64_t j) { if (first) src.ready(nb, j); };
         if (m - r > 16)
-          amx_pair<2>(x + r * k, w0, w0 + kt * 512, y + r * n, m - r, k, n, nb, c, pf, lines,
-                      ready);
+          amx_pair<2>(rows(r), rows(r + 16), w0, w0 + kt * 512, y + r * n, m - r, k, n, nb, c,
+                      pf, lines, ready);
         else
-          amx_pair<1>(x + r * k, w0, w0 + kt * 512, y + r * n, m - r, k, n, nb, c, pf, lines,
-                      ready);
+          amx_pair<1>(rows(r), nullptr, w0, w0 + kt * 512, y + r * n, m - r, k, n, nb, c, pf,
+                      lines, ready);
         if (pf) pf += 64 * lines;
       }
     }
@@ -184,14 +186,13 @@ Tensor amx_linear_run(const Tensor& x, int64_t n, int64_t scratch_elems,
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(m >= 1, "an AMX projection needs at least one row");
   TORCH_CHECK(amx_permitted(), "AMX is not available to this process");
-  // Rows padded to whole tiles with zeros (their products are never stored).
-  Tensor xp = x;
-  if (m % 16) {
-    xp = at::zeros({(m + 15) / 16 * 16, k}, x.options());
-    xp.narrow(0, 0, m).copy_(x);
-  }
+  // The rows of a last partial tile, padded with zeros (their products are never stored); the
+  // others are read in place.
+  const uint16_t* xq = ptr<uint16_t>(x);
+  const int64_t full = m / 16 * 16;
+  std::vector<uint16_t> tail(m > full ? 16 * k : 0);
+  if (m > full) std::memcpy(tail.data(), xq + full * k, (m - full) * k * sizeof(uint16_t));
   Tensor y = at::empty({m, n}, x.options());
-  const uint16_t* xq = ptr<uint16_t>(xp);
   uint16_t* yq = ptr<uint16_t>(y);
   const int64_t pairs = n / 32, threads = at::get_num_threads();
   at::parallel_for(0, pairs, (pairs + threads - 1) / threads, [&](int64_t begin, int64_t end) {
@@ -199,7 +200,8 @@ Tensor amx_linear_run(const Tensor& x, int64_t n, int64_t scratch_elems,
         scratch_elems ? static_cast<uint16_t*>(std::aligned_alloc(64, 2 * scratch_elems))
                       : nullptr,
         &std::free);
-    amx_linear_blocks(xq, make_source(scratch.get()), yq, m, k, n, 2 * begin, 2 * end);
+    amx_linear_blocks(xq, tail.data(), make_source(scratch.get()), yq, m, k, n, 2 * begin,
+                      2 * end);
   });
   return y;
 }
