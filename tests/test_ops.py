@@ -323,19 +323,20 @@ def test_bfloat16_pair_kernels_serve_their_iterations(out_features, in_features)
         torch.ops.shoal.dp_linear(torch.zeros(2, in_features + 32, dtype=torch.bfloat16), packed)
 
 
-@pytest.mark.skipif(not ops.dp_linear_available() or ops.amx_available(),
-                    reason="needs AVX512_BF16 without AMX")
+@pytest.mark.skipif(not ops.dp_linear_available(), reason="needs AVX512_BF16")
 @pytest.mark.parametrize(("intermediate", "in_features"), [(48, 64), (64, 1536)])
-def test_dp_linear_silu_is_swiglu_of_the_gate_up_projection(intermediate, in_features):
-    """A fused gate/up Linear on dp_linear computes silu(gate) * up in shoal::dp_linear_silu for
-    every iteration (row counts that leave partial tiles and, at 1,536 inputs, several row
-    passes; 48 channels: a last pair of blocks outside the 4-block tiles), against float32 math;
-    the projection itself still comes back in [gate | up] order."""
+def test_pair_kernels_give_swiglu_of_the_gate_up_projection(intermediate, in_features):
+    """A fused gate/up Linear on dp_linear (or, with AMX, amx_linear) computes silu(gate) * up
+    from the accumulators (shoal::dp_linear_silu, amx_linear's silu_and_mul) for every
+    iteration it serves (row counts that leave partial tiles and, at 1,536 inputs, several row
+    passes; 48 channels: a last pair of blocks outside dp's 4-block tiles; AMX: one and two row
+    tiles, several 256-row passes), against float32 math; the projection itself still comes
+    back in [gate | up] order."""
     g = torch.Generator().manual_seed(50 + in_features)
     w = (torch.randn(2 * intermediate, in_features, generator=g) * 0.1).to(torch.bfloat16)
     lin = Linear(w, kernels=True, swiglu=True)
     assert lin.swiglu_pairs
-    for rows in (1, 5, 6, 7, 13, 64, 300):
+    for rows in (1, 5, 6, 7, 13, 17, 64, 300, 600, 2 * AMX_MAX_ROWS + 5):
         x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
         exact = torch.nn.functional.linear(x.float(), w.float())
         gate, up = exact.chunk(2, dim=-1)
@@ -343,8 +344,13 @@ def test_dp_linear_silu_is_swiglu_of_the_gate_up_projection(intermediate, in_fea
         assert out.dtype == torch.bfloat16 and out.shape == (rows, intermediate)
         assert rel(out, torch.nn.functional.silu(gate) * up) <= 5e-3, rows
         assert rel(lin(x), exact) <= 5e-3, rows
-    lin.pairs = torch.zeros_like(lin.pairs)  # the fused kernel's output now comes out zero
-    assert (lin.silu_and_mul(torch.randn(300, in_features, generator=g).to(torch.bfloat16)) == 0).all()
+    # The fused kernels serve every size (on AMX too: no oneDNN copy is kept), so with the
+    # packed pairs zeroed every output comes out zero.
+    assert lin.pairs_max_rows == sys.maxsize and lin.weight is None and lin.packed is None
+    lin.pairs = torch.zeros_like(lin.pairs)
+    for rows in (300, 2 * AMX_MAX_ROWS + 5):
+        x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+        assert (lin.silu_and_mul(x) == 0).all(), rows
 
 
 @pytest.mark.skipif(not ops.dp_linear_available() or ops.amx_available(),
@@ -404,16 +410,24 @@ def test_q4_amx_linear_gives_amx_linears_bits_from_4_bit_levels(out_features, in
     """On AMX CPUs the levels go through shoal::q4_amx_linear, which rebuilds each pair of
     blocks' weight tiles and must return amx_linear's result over the bfloat16 weight to the bit
     (dp_linear's differs there), for one and two row tiles, several pairs of 32 rows and more
-    than one 256-row pass; the values are also checked against float32 math."""
+    than one 256-row pass, plain and SwiGLU; the values are also checked against float32
+    math."""
     g = torch.Generator().manual_seed(75 + in_features)
     levels, scale_min = random_q4_levels(out_features, in_features, g)
     w = q4_weight(levels, scale_min, torch.bfloat16)
     packed, pairs = pack_q4_pairs(levels, scale_min), torch.ops.shoal.pack_weight_pairs(w)
+    silu_levels = pack_q4_pairs(swiglu_interleave(levels),
+                                swiglu_interleave(scale_min.flatten(1)).view(scale_min.shape))
+    silu_pairs = torch.ops.shoal.pack_weight_pairs(swiglu_interleave(w))
     for rows in (1, 2, 16, 17, 33, 64, 300):
         x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
         y = torch.ops.shoal.q4_amx_linear(x, packed)
         assert torch.equal(y.view(torch.int16), torch.ops.shoal.amx_linear(x, pairs).view(torch.int16))
         assert rel(y, torch.nn.functional.linear(x.float(), w.float())) <= 5e-3
+        s = torch.ops.shoal.q4_amx_linear(x, silu_levels, True)
+        assert s.shape == (rows, out_features // 2)
+        assert torch.equal(s.view(torch.int16),
+                           torch.ops.shoal.amx_linear(x, silu_pairs, True).view(torch.int16))
     with pytest.raises(RuntimeError, match="packed weight"):
         torch.ops.shoal.q4_amx_linear(torch.zeros(1, in_features + 32, dtype=torch.bfloat16),
                                       packed)

@@ -63,7 +63,10 @@ for the number of rows an iteration brings.
   | oneDNN prepacked | 12.5 | 14.9 | 16.9 | 23.5 | 59-64 | 119-131 | 161-171 |
   | `shoal::amx_linear` | 9.3 | 10.0 | 12.8 | 18.5 | 49-55 | 99-108 | 205 |
 
-  so oneDNN keeps iterations of more than 1,024 rows.
+  so oneDNN keeps iterations of more than 1,024 rows, but for gate/up: with SwiGLU's product
+  written from the accumulators (`silu_and_mul=True`, gate and up blocks interleaved as for
+  dp_linear_silu) amx_linear beats oneDNN and a separate `silu_and_mul` at every size
+  (AMX_SWIGLU_MAX_ROWS).
 - **AVX512_BF16 dot products for bfloat16 iterations of every size** (`shoal::dp_linear`,
   where the CPU has AVX512_BF16 but no AMX: AMD Zen 4 and 5): the same packed weights, each
   64-byte vector a pair of input channels for 16 output channels, `vdpbf16ps` against a broadcast
@@ -199,6 +202,11 @@ LANES_MAX_ROWS = {"int8": 32, "int4": 16, "w8a8": W8A8_MIN_ROWS - 1, "none": 128
 # VNNI) at every size measured (tables above).
 INT4_Q8_MAX_ROWS = sys.maxsize
 AMX_MAX_ROWS = 1024  # shoal::amx_linear beats oneDNN up to here (table above; 2,048 rows: not)
+# ... but with SwiGLU's product from its accumulators it beats oneDNN followed by silu_and_mul
+# at every size: 30 SmolLM2 gate/up projections, 2-core Xeon with AMX, ms, in turns (medians of
+# 6): 512 rows 75.6 / 70.3, 1,024 rows 139.6 / 139.7, 1,536 rows 221.9 / 207.4, 2,048 rows
+# 296.5 / 275.5 (session 25). So a gate/up weight keeps no oneDNN copy there.
+AMX_SWIGLU_MAX_ROWS = sys.maxsize
 # shoal::dp_linear serves bfloat16 iterations of every size where it runs (see above).
 DP_MAX_ROWS = sys.maxsize
 # shoal::q4_linear (GGUF's 4-bit levels, dp_linear's bits) beats dp_linear up to here: all 120
@@ -493,8 +501,9 @@ class Linear:
         dp_max_rows: the most rows `shoal::dp_linear` serves (DP_MAX_ROWS: all; the LM head
             takes LM_HEAD_DP_MAX_ROWS).
         swiglu: the weight is a fused `[gate; up]` (`[2 * intermediate, in]`, intermediate a
-            multiple of 16) used through `silu_and_mul`; where dp_linear serves, its packed
-            copy interleaves gate and up blocks for `shoal::dp_linear_silu` (calling the
+            multiple of 16) used through `silu_and_mul`; where dp_linear or amx_linear serves,
+            its packed copy interleaves gate and up blocks for SwiGLU from the accumulators
+            (`shoal::dp_linear_silu`, `amx_linear(..., silu_and_mul=True)`; calling the
             projection itself still returns `[gate | up]`).
         q4: the GGUF 4-bit levels `[out, in]` uint8 and scales `[out, in / 32, 2]` float16 the
             weight was dequantized from (worker.loader), or None. Unquantized, where the levels
@@ -579,12 +588,13 @@ class Linear:
         if (kernels and weight.dtype == torch.bfloat16 and shape_ok
                 and self.lanes_max_rows != sys.maxsize):
             if ops.amx_available():
-                self.amx, self.pairs_max_rows = True, AMX_MAX_ROWS
+                self.amx = True
+                self.pairs_max_rows = AMX_SWIGLU_MAX_ROWS if swiglu else AMX_MAX_ROWS
             elif ops.dp_linear_available():
                 self.pairs_max_rows = dp_max_rows
-            # A gate/up weight for dp_linear goes in (gate, up) block pairs: SwiGLU's product
-            # then comes out of shoal::dp_linear_silu's accumulators.
-            self.swiglu_pairs = swiglu and not self.amx and self.pairs_max_rows > 0
+            # A gate/up weight goes in (gate, up) block pairs: SwiGLU's product then comes out
+            # of the accumulators (shoal::dp_linear_silu, amx_linear's `silu_and_mul`).
+            self.swiglu_pairs = swiglu and self.pairs_max_rows > 0
             if self.pairs_max_rows:
                 self.pairs = on_huge_pages(torch.ops.shoal.pack_weight_pairs(
                     swiglu_interleave(weight) if self.swiglu_pairs else weight))
@@ -653,9 +663,8 @@ class Linear:
         if x.shape[0] <= self.q4_max_rows:
             if self.q4_lanes:
                 return torch.ops.shoal.q4_lanes_linear(x, self.q4)
-            if self.amx:
-                return torch.ops.shoal.q4_amx_linear(x, self.q4)
-            y = torch.ops.shoal.q4_linear(x, self.q4, False)
+            y = (torch.ops.shoal.q4_amx_linear(x, self.q4) if self.amx
+                 else torch.ops.shoal.q4_linear(x, self.q4, False))
             return swiglu_deinterleave(y) if self.swiglu_pairs else y
         if x.shape[0] <= self.max_quantized_rows:
             if self.vnni:
@@ -669,9 +678,8 @@ class Linear:
         if self.uses_w8a8(x.shape[0]):
             return self._w8a8(x, silu_and_mul=False)
         if x.shape[0] <= self.pairs_max_rows:
-            if self.amx:
-                return torch.ops.shoal.amx_linear(x, self.pairs)
-            y = torch.ops.shoal.dp_linear(x, self.pairs)
+            y = (torch.ops.shoal.amx_linear(x, self.pairs) if self.amx
+                 else torch.ops.shoal.dp_linear(x, self.pairs))
             return swiglu_deinterleave(y) if self.swiglu_pairs else y
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [None], "")
@@ -688,8 +696,12 @@ class Linear:
         if self.uses_w8a8(rows):
             return self._w8a8(x, silu_and_mul=True)
         if self.swiglu_pairs and rows <= self.q4_max_rows:
+            if self.amx:
+                return torch.ops.shoal.q4_amx_linear(x, self.q4, True)
             return torch.ops.shoal.q4_linear(x, self.q4, True)
         if self.swiglu_pairs and self.max_quantized_rows < rows <= self.pairs_max_rows:
+            if self.amx:
+                return torch.ops.shoal.amx_linear(x, self.pairs, True)
             return torch.ops.shoal.dp_linear_silu(x, self.pairs)
         return ops.silu_and_mul(self(x), self.kernels)
 
@@ -699,7 +711,8 @@ class Linear:
         same kernel, so the same bits): the 4-bit levels (`shoal::q4_linear` or
         `q4_lanes_linear`), float32 lanes (`f32_linear`) or bfloat16 pairs (`dp_linear`, its
         SwiGLU form for gate/up); on AMX CPUs the levels through `shoal::q4_amx_linear` or
-        the pairs through `amx_linear`. None where another kernel serves those rows. The checks
+        the pairs through `amx_linear` (SwiGLU from their accumulators likewise). None where
+        another kernel serves those rows. The checks
         follow `__call__`'s order."""
         if rows <= self.q4_max_rows:
             return self.q4
@@ -709,7 +722,7 @@ class Linear:
             return self.lanes[0] if self.lanes_op is torch.ops.shoal.f32_linear else None
         if self.uses_w8a8(rows) or rows > self.pairs_max_rows:
             return None
-        return self.pairs if self.amx or self.swiglu_pairs or not self.swiglu else None
+        return self.pairs if self.swiglu_pairs or not self.swiglu else None
 
     def _w8a8(self, x: torch.Tensor, silu_and_mul: bool) -> torch.Tensor:
         if self.vnni_w8a8 is not None:

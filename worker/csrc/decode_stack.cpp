@@ -19,8 +19,8 @@ namespace shoal {
 //                pairs through dp_linear. With `pairs` gate and up blocks are interleaved
 //                (dp_linear_silu's and q4_linear's SwiGLU order). Where AMX serves (the
 //                process may use its tiles: worker/linear.py then chose them), bfloat16 levels
-//                go through q4_amx_linear and pairs through amx_linear, gate and up in order,
-//                then silu_and_mul.
+//                go through q4_amx_linear and pairs through amx_linear, SwiGLU in the same
+//                order from their accumulators.
 //   output_rows  the rows whose output is wanted (the last layer's O and MLP run on them
 //                alone), or none for all.
 // Returns the last layer's output [rows, hidden] float32, before the final RMSNorm.
@@ -47,10 +47,7 @@ Tensor decode_stack(const Tensor& embedded, at::TensorList weights, at::TensorLi
   const auto linear = [&](const Tensor& in, const Tensor& packed, bool silu) -> Tensor {
     const bool levels = packed.scalar_type() == at::kByte;
 #ifdef SHOAL_AMX
-    if (amx) {
-      Tensor y = levels ? q4_amx_linear(in, packed) : amx_linear(in, packed);
-      return silu ? silu_and_mul(y) : y;
-    }
+    if (amx) return levels ? q4_amx_linear(in, packed, silu) : amx_linear(in, packed, silu);
 #endif
 #ifdef SHOAL_BF16_PAIRS
     if (pairs) {

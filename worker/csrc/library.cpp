@@ -68,8 +68,8 @@ TORCH_LIBRARY(shoal, m) {
 #endif
 #endif
 #ifdef SHOAL_AMX
-  m.def("amx_linear(Tensor x, Tensor packed) -> Tensor");
-  m.def("q4_amx_linear(Tensor x, Tensor packed) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor packed, bool silu_and_mul=False) -> Tensor");
+  m.def("q4_amx_linear(Tensor x, Tensor packed, bool silu_and_mul=False) -> Tensor");
 #endif
 }
 

@@ -63,8 +63,8 @@ Tensor vnni_linear(const Tensor& x_in, const Tensor& row_scale, const Tensor& pa
 #endif
 #endif
 #ifdef SHOAL_AMX
-Tensor amx_linear(const Tensor& x_in, const Tensor& packed);
-Tensor q4_amx_linear(const Tensor& x_in, const Tensor& packed);
+Tensor amx_linear(const Tensor& x_in, const Tensor& packed, bool silu_and_mul);
+Tensor q4_amx_linear(const Tensor& x_in, const Tensor& packed, bool silu_and_mul);
 #endif
 
 // decode_stack.cpp

@@ -71,18 +71,36 @@ inline void store_rows(const float* c, uint16_t* y, int64_t m, int64_t n, int64_
   const int64_t rows = std::min<int64_t>(16, m - 16 * i);
   for (int64_t r = 0; r < rows; ++r) store16(y + (16 * i + r) * n + nb * 16, load16(c + r * 16));
 }
-// (Tile numbers must be literals: _tile_stored is a macro naming the register.)
-#define SHOAL_STORE_TILE(T, i, nb) \
-  _tile_stored(T, c, 64);          \
-  store_rows(c, y, m, n, i, nb)
+// SwiGLU's product of a gate block's stored accumulators g and its up block's u (16 x 16 float32
+// each), for rows [16 i, 16 i + 16) (up to row m), into y `[m, n]` at channels [16 cb, 16 cb +
+// 16): silu(g) * u in float32, rounded once, as dp_linear_silu's store.
+inline void store_silu_rows(const float* g, const float* u, uint16_t* y, int64_t m, int64_t n,
+                            int64_t i, int64_t cb) {
+  const int64_t rows = std::min<int64_t>(16, m - 16 * i);
+  for (int64_t r = 0; r < rows; ++r)
+    store16(y + (16 * i + r) * n + cb * 16, _mm512_mul_ps(silu16(load16(g + r * 16)), load16(u + r * 16)));
+}
+// Row tile i's accumulators of the pair: tiles TA (block nb) and TB (block nb + 1) into y, or
+// with Silu (gate block nb, up block nb + 1) SwiGLU's product at channel block nb / 2. (Tile
+// numbers must be literals: _tile_stored is a macro naming the register.)
+#define SHOAL_STORE_PAIR(TA, TB, i)             \
+  _tile_stored(TA, c, 64);                      \
+  _tile_stored(TB, c + 256, 64);                \
+  if constexpr (Silu) {                         \
+    store_silu_rows(c, c + 256, y, m, n, i, nb / 2); \
+  } else {                                      \
+    store_rows(c, y, m, n, i, nb);              \
+    store_rows(c + 256, y, m, n, i, nb + 1);    \
+  }
 
 // One pair of output blocks (weights w0, w1: K / 32 tiles each) for MB (1 or 2) blocks of 16
 // rows of x (x0 and x1, each 16 rows of K): every tile of x loaded serves both weight tiles. Accumulators tmm0-3 are
 // (rows 0-15, w0), (rows 16-31, w0), (rows 0-15, w1), (rows 16-31, w1). Meanwhile `pf_lines`
 // 64-byte lines from `pf` (a slice of the next pair's weights) are asked for into L2, spread
 // over the K / 32 steps. `ready(j)` runs before the weight tiles of step j are loaded (a
-// source that writes them there, as q4_amx_linear's does, writes them then).
-template <int MB, class Ready>
+// source that writes them there, as q4_amx_linear's does, writes them then). y's rows are n
+// wide; with Silu the pair is a gate block and its up block, and y gets SwiGLU's product.
+template <int MB, bool Silu, class Ready>
 inline void amx_pair(const uint16_t* x0, const uint16_t* x1, const uint16_t* w0,
                      const uint16_t* w1, uint16_t* y,
                      int64_t m, int64_t k, int64_t n, int64_t nb, float* c, const char* pf,
@@ -106,11 +124,9 @@ inline void amx_pair(const uint16_t* x0, const uint16_t* x1, const uint16_t* w0,
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  SHOAL_STORE_TILE(0, 0, nb);
-  SHOAL_STORE_TILE(2, 0, nb + 1);
+  SHOAL_STORE_PAIR(0, 2, 0);
   if (MB > 1) {
-    SHOAL_STORE_TILE(1, 1, nb);
-    SHOAL_STORE_TILE(3, 1, nb + 1);
+    SHOAL_STORE_PAIR(1, 3, 1);
   }
 }
 
@@ -121,7 +137,8 @@ constexpr int64_t kAmxRowBlock = 256;
 // Output blocks [begin, end) (an even range) for all m rows of x, 32 rows at a time: past the
 // first 32 the pair's weight tiles come from cache, not memory. A tile loads 16 rows: those of
 // a last partial tile come from `tail` (16 rows of K, zero-padded). `src` gives each pair's
-// weights (PackedPairs, Q4Pairs).
+// weights (PackedPairs, Q4Pairs). y's rows are n wide: with Silu (pairs of gate and up blocks,
+// as swiglu_interleave orders them) SwiGLU's product, half the blocks' channels.
 //
 // Past Source::kPrefetchAbove rows (packed weights: 16) each pair also asks for the next pair's
 // weights into L2, spread over its row tiles: the tile loads wait on the tile products before them (there are 8 tile registers and no
@@ -130,13 +147,13 @@ constexpr int64_t kAmxRowBlock = 256;
 // 11.7 -> 10.9 ms, 48 rows 13.6 -> 12.7, 64 rows 14.7 -> 14.2, 128 rows 21.6 -> 20.9; W64
 // in-process 2.88-2.95 -> 2.76-2.82 s. At 1-16 rows (one row tile, the stream already at the
 // memory's pace) it cost 1-6%, so it is left out there.
-template <class Source>
+template <bool Silu, class Source>
 void amx_linear_blocks(const uint16_t* x, const uint16_t* tail, const Source& src, uint16_t* y,
                        int64_t m, int64_t k, int64_t n, int64_t begin, int64_t end) {
   static const TileConfig config;
   _tile_loadconfig(&config);
   const int64_t kt = k / 32;
-  alignas(64) float c[16 * 16];
+  alignas(64) float c[2 * 16 * 16];
   const auto rows = [&](int64_t r) { return r + 16 <= m ? x + r * k : tail; };
   for (int64_t m0 = 0; m0 < m; m0 += kAmxRowBlock) {  // these rows of x stay in cache
     const int64_t m1 = std::min(m, m0 + kAmxRowBlock);
@@ -150,10 +167,10 @@ void amx_linear_blocks(const uint16_t* x, const uint16_t* tail, const Source& sr
         // The pair's weight tiles are made ready for the first row tile; the others reuse them.
         const auto ready = [&, first = r == m0](int64_t j) { if (first) src.ready(nb, j); };
         if (m - r > 16)
-          amx_pair<2>(rows(r), rows(r + 16), w0, w0 + kt * 512, y + r * n, m - r, k, n, nb, c,
+          amx_pair<2, Silu>(rows(r), rows(r + 16), w0, w0 + kt * 512, y + r * n, m - r, k, n, nb, c,
                       pf, lines, ready);
         else
-          amx_pair<1>(rows(r), nullptr, w0, w0 + kt * 512, y + r * n, m - r, k, n, nb, c, pf,
+          amx_pair<1, Silu>(rows(r), nullptr, w0, w0 + kt * 512, y + r * n, m - r, k, n, nb, c, pf,
                       lines, ready);
         if (pf) pf += 64 * lines;
       }
@@ -161,7 +178,7 @@ void amx_linear_blocks(const uint16_t* x, const uint16_t* tail, const Source& sr
   }
   _tile_release();
 }
-#undef SHOAL_STORE_TILE
+#undef SHOAL_STORE_PAIR
 
 // amx_linear_blocks' source of weights that lie packed by pack_weight_pairs.
 struct PackedPairs {
@@ -177,11 +194,12 @@ struct PackedPairs {
   int64_t next_lines() const { return 2 * kt * 512 * 2 / 64; }
 };
 
-// y `[M, N]` bfloat16 = x W^T over AMX tiles, the weights' pairs of output blocks from the
-// source `make_source(scratch)` gives each thread (`scratch_elems` bfloat16 of its own, 64-byte
+// y `[M, N]` bfloat16 = x W^T over AMX tiles (with `silu_and_mul`, `[M, N / 2]` SwiGLU's
+// product of pairs of gate and up blocks), the weights' pairs of output blocks from the source
+// `make_source(scratch)` gives each thread (`scratch_elems` bfloat16 of its own, 64-byte
 // aligned, or none). One contiguous run of pairs per thread: each streams its share once.
 template <class MakeSource>
-Tensor amx_linear_run(const Tensor& x, int64_t n, int64_t scratch_elems,
+Tensor amx_linear_run(const Tensor& x, int64_t n, bool silu_and_mul, int64_t scratch_elems,
                       const MakeSource& make_source) {
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(m >= 1, "an AMX projection needs at least one row");
@@ -192,7 +210,8 @@ Tensor amx_linear_run(const Tensor& x, int64_t n, int64_t scratch_elems,
   const int64_t full = m / 16 * 16;
   std::vector<uint16_t> tail(m > full ? 16 * k : 0);
   if (m > full) std::memcpy(tail.data(), xq + full * k, (m - full) * k * sizeof(uint16_t));
-  Tensor y = at::empty({m, n}, x.options());
+  const int64_t ny = silu_and_mul ? n / 2 : n;
+  Tensor y = at::empty({m, ny}, x.options());
   uint16_t* yq = ptr<uint16_t>(y);
   const int64_t pairs = n / 32, threads = at::get_num_threads();
   at::parallel_for(0, pairs, (pairs + threads - 1) / threads, [&](int64_t begin, int64_t end) {
@@ -200,18 +219,24 @@ Tensor amx_linear_run(const Tensor& x, int64_t n, int64_t scratch_elems,
         scratch_elems ? static_cast<uint16_t*>(std::aligned_alloc(64, 2 * scratch_elems))
                       : nullptr,
         &std::free);
-    amx_linear_blocks(xq, tail.data(), make_source(scratch.get()), yq, m, k, n, 2 * begin,
-                      2 * end);
+    if (silu_and_mul)
+      amx_linear_blocks<true>(xq, tail.data(), make_source(scratch.get()), yq, m, k, ny,
+                              2 * begin, 2 * end);
+    else
+      amx_linear_blocks<false>(xq, tail.data(), make_source(scratch.get()), yq, m, k, ny,
+                               2 * begin, 2 * end);
   });
   return y;
 }
 
 // y = x W^T for x `[M, K]` bfloat16 (any M >= 1) against W packed by pack_weight_pairs; returns
-// `[M, N]` bfloat16 (float32 accumulation).
-Tensor amx_linear(const Tensor& x_in, const Tensor& packed) {
+// `[M, N]` bfloat16 (float32 accumulation), or with `silu_and_mul` (W a fused gate/up weight
+// with its 16-row blocks interleaved, as for dp_linear_silu) `[M, N / 2]` silu(gate) * up from
+// the float32 accumulators, rounded once: the `[M, N]` product is never written.
+Tensor amx_linear(const Tensor& x_in, const Tensor& packed, bool silu_and_mul) {
   const auto [x, n] = pair_linear_input(x_in, packed);
   const PackedPairs source{ptr<uint16_t>(packed), x.size(1) / 32};
-  return amx_linear_run(x, n, 0, [&](uint16_t*) { return source; });
+  return amx_linear_run(x, n, silu_and_mul, 0, [&](uint16_t*) { return source; });
 }
 #endif
 
@@ -649,12 +674,13 @@ struct Q4Pairs {
 };
 
 // y = x W^T for x `[M, K]` bfloat16 (any M >= 1) against `packed` (pack_q4_pairs); returns
-// `[M, N]` bfloat16: what amx_linear returns for the bfloat16 weight the levels stand for.
-Tensor q4_amx_linear(const Tensor& x_in, const Tensor& packed) {
+// `[M, N]` bfloat16, or `[M, N / 2]` with `silu_and_mul`: what amx_linear returns for the
+// bfloat16 weight the levels stand for.
+Tensor q4_amx_linear(const Tensor& x_in, const Tensor& packed, bool silu_and_mul) {
   const auto [x, n] = q4_linear_input(x_in, packed);
   const int64_t kt = x.size(1) / 32;
   const char* w = bytes(packed);
-  return amx_linear_run(x, n, 2 * kt * 512,
+  return amx_linear_run(x, n, silu_and_mul, 2 * kt * 512,
                         [&](uint16_t* scratch) { return Q4Pairs{w, kt, scratch}; });
 }
 #endif
