@@ -192,11 +192,12 @@ def test_decode_stack_gives_the_layer_loops_bits(dtype, levels):
 def test_greedy_rows_screened_through_a_low_precision_lm_head_are_the_exact_argmax(
         dtype, bf16_model, fp32_model, tokenizer):
     """Unquantized greedy iterations take their candidates from an int8 copy of the LM head
-    (through vnni_linear at every size but the int4 screen's, or int8_gemv up to 6 rows) or an
-    int4 one (up to 4 rows where vnni_linear serves beyond, up to 64 on AVX2-only CPUs): over
-    512 positions of a real text and 512 of random-token contexts (flatter distributions: there
-    the exact best once ranked 12th among the int8 logits, past the 8 candidates first
-    recomputed), in iterations of 1, 4, 6 and 64 rows where the screens take them, every pick
+    (through vnni_linear at every size but the int4 screen's, up to 16 rows where AMX tiles
+    serve the head, or int8_gemv up to 6 rows) or an int4 one (up to 4 rows where vnni_linear
+    serves beyond, up to 64 on AVX2-only CPUs): over 512 positions of a real text and 512 of
+    random-token contexts (flatter distributions: there the exact best once ranked 12th among
+    the int8 logits, past the 8 candidates first recomputed), in iterations of 1, 4, 6, 16 and
+    64 rows where the screens take them, every pick
     is float32 arithmetic's argmax, or ties it within the rounding of another summation order
     (two logits 4e-6 apart once swapped, on kernels built for AVX-512 without AVX512_BF16)."""
     import random
@@ -207,15 +208,17 @@ def test_greedy_rows_screened_through_a_low_precision_lm_head_are_the_exact_argm
 
     engine = make_engine(bf16_model if dtype == torch.bfloat16 else fp32_model, dtype=dtype)
     m = engine.model
-    # vnni_linear's int8 screen serves iterations of every size (behind int4's up to 4 rows),
-    # int4's up to 64 rows where vnni_linear is not built, int8_gemv's up to 6.
+    # vnni_linear's int8 screen serves iterations of every size (behind int4's up to 4 rows;
+    # where AMX tiles serve the LM head, up to 16 rows), int4's up to 64 rows where vnni_linear
+    # is not built, int8_gemv's up to 6.
     vnni, int4 = ops.vnni_linear_available(), ops.int4_q8_available()
+    int8_rows = m.INT8_SCREEN_AMX_MAX_ROWS if m.lm_head_proj.amx else sys.maxsize
     expected = ([m.INT4_SCREEN_VNNI_MAX_ROWS] if vnni and int4 else []) + (
-        [sys.maxsize] if vnni else [m.INT4_SCREEN_MAX_ROWS] if int4
+        [int8_rows] if vnni else [m.INT4_SCREEN_MAX_ROWS] if int4
         else [m.LM_HEAD_SCREEN_MAX_ROWS])
     assert [s.max_rows for s in m.lm_head_screens] == expected
     chunks = sorted({rows for rows in (1, m.INT4_SCREEN_VNNI_MAX_ROWS, m.LM_HEAD_SCREEN_MAX_ROWS,
-                                       64) if rows <= expected[-1]})
+                                       16, 64) if rows <= expected[-1]})
     rng = random.Random(0)
     texts = [tokenizer.encode(reference_text(), add_special_tokens=False)[:512],
              [rng.randrange(10, 49000) for _ in range(256)],

@@ -123,6 +123,12 @@ class LlamaModel:
     # only, in turns (8 rounds, medians), batch 1 / 3 / 4 / 6: 167.8 / 356.2 / 444.1 against
     # 161.4 / 348.4 / 429.3; int4 at 6 rows: 535.5 against 581.7.
     INT4_SCREEN_VNNI_MAX_ROWS = 4
+    # Where AMX tiles serve the bfloat16 LM head, past this many rows they give the exact logits
+    # faster than vnni_linear's int8 screen, which is bound by its dot products: greedy
+    # compute_logits, screen against amx_linear, 2-core Xeon with AMX, ms (medians of 22, two
+    # rounds): 8 rows 1.18-1.22 / 1.51-1.52, 16 rows 1.69-2.05 / 1.73-1.75, 32 rows 3.16-3.85 /
+    # 2.07-2.24, 64 rows 6.11-6.19 / 3.46-3.60 (session 25).
+    INT8_SCREEN_AMX_MAX_ROWS = 16
 
     def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int,
                  quantization: str = "none", fast_paths: bool = True,
@@ -154,7 +160,8 @@ class LlamaModel:
         # - int8 x int8 through `shoal::vnni_linear` (W8A8's kernel; AVX512_BF16 and VNNI), for
         #   iterations of every size: at 1-2 rows as fast as int8_gemv below, from 4 rows 1.7-3x
         #   faster; compute_logits of greedy rows at 4 / 8 / 64 rows 1.37 / 2.21 / 10.0 -> 0.79
-        #   / 1.33 / 7.6 ms (2-core Zen 4, docs/benchmarks.md session 23);
+        #   / 1.33 / 7.6 ms (2-core Zen 4, docs/benchmarks.md session 23); where AMX tiles serve
+        #   the LM head, up to INT8_SCREEN_AMX_MAX_ROWS rows;
         # - int4 through `shoal::int4_q8_linear` on AVX2-only CPUs, where reading the int8 copy
         #   is the bound: 1.38 -> 0.55 ms a row, 1.99 -> 1.24 at 4 (2-core Zen 3, session 22),
         #   iterations of up to INT4_SCREEN_MAX_ROWS;
@@ -178,8 +185,9 @@ class LlamaModel:
             if vnni:
                 q, scale = quantize_int8(self.lm_head)
                 packed = pack_int8_quads(q, scale.float(), swiglu=False)
-                self.lm_head_screens.append(_Screen(lambda x: vnni_matmul(x, packed),
-                                                    self.INT8_REFINE_TOP_K, sys.maxsize))
+                self.lm_head_screens.append(_Screen(
+                    lambda x: vnni_matmul(x, packed), self.INT8_REFINE_TOP_K,
+                    self.INT8_SCREEN_AMX_MAX_ROWS if self.lm_head_proj.amx else sys.maxsize))
             elif not self.lm_head_screens and ops.int8_gemv_available():
                 q, scale = quantize_int8(self.lm_head)
                 gemv = (q, scale.float(), q.sum(dim=1, dtype=torch.int32))
