@@ -43,7 +43,7 @@ def test_rotating_cached_keys_equals_recomputing_them_shifted(head_dim, n):
 def test_kv_blocks_stay_bounded_by_the_window(mode):
     cfg = tiny_config(max_position_embeddings=64)
     engine = Engine(cfg, random_weights(cfg), EngineConfig(dtype=torch.float32, block_size=4,
-                                                           kv_cache_bytes=1 << 20))
+                                                           kv_cache_bytes=1 << 20, device="cpu"))
     params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True, context_overflow=mode)
     out = engine.step(IterationPlan(admit=[NewRequest("a", list(range(5, 25)), params)])).outputs
     most = 0
@@ -60,7 +60,7 @@ def test_kv_blocks_stay_bounded_by_the_window(mode):
 def test_error_mode_stops_at_the_window_and_bad_settings_are_refused():
     cfg = tiny_config(max_position_embeddings=32)
     engine = Engine(cfg, random_weights(cfg), EngineConfig(dtype=torch.float32, block_size=4,
-                                                           kv_cache_bytes=1 << 20))
+                                                           kv_cache_bytes=1 << 20, device="cpu"))
     engine.step(IterationPlan(admit=[NewRequest("a", list(range(5, 15)), SamplingParams(
         max_tokens=100, temperature=0.0, ignore_eos=True))]))
     outs = []

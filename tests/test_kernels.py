@@ -1,5 +1,6 @@
-"""The Triton kernels of worker/kernels against the torch path, run by Triton's interpreter on the
-CPU (tests/conftest.py sets TRITON_INTERPRET=1 before Triton is imported).
+"""The Triton kernels of worker/kernels against the torch path: on a CUDA device where there is
+one (inputs made on the CPU, then copied to it), else by Triton's interpreter on the CPU
+(tests/conftest.py sets TRITON_INTERPRET=1 before Triton is imported when there is no GPU).
 
 Inputs are random, never zeros; outputs and pools are poisoned first (NaN or random values) so an
 element a kernel fails to write, or writes where it should not, fails the comparison.
@@ -32,12 +33,20 @@ pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="needs CUDA or TRITON_INTERPRET=1")
 
+# Where the kernels run: the references are computed on the CPU from the same inputs.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FP32_REL_MAX = 1e-5  # the issue's bound for float32
 LOW_PRECISION_REL_MAX = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+    a, b = a.float().cpu(), b.float().cpu()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def on_device(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Copies of `tensors` on DEVICE."""
+    return [t.to(DEVICE) for t in tensors]
 
 
 def bound(dtype: torch.dtype) -> float:
@@ -73,8 +82,10 @@ def test_decode_attention_matches_the_torch_path(head_dim, group, bs):
     tables = random_tables(g, lens, bs, num_blocks)
     meta = build_metadata(tables, lens, [], bs)
     q = torch.randn(len(lens), hkv * group, head_dim, generator=g)
-    out = torch.full((len(lens), hkv * group * head_dim), float("nan"))
-    TritonAttention().decode(q, k_pool, v_pool, meta, head_dim**-0.5, out)
+    out = torch.full((len(lens), hkv * group * head_dim), float("nan"), device=DEVICE)
+    TritonAttention().decode(*on_device(q, k_pool, v_pool),
+                             build_metadata(tables, lens, [], bs, DEVICE), head_dim**-0.5, out)
+    out = out.cpu()
     expected = decode_attention_reference(q, k_pool, v_pool, meta, head_dim**-0.5)
     assert not out.isnan().any()
     for r in range(len(lens)):  # every request by itself: a short one is not hidden by long ones
@@ -86,10 +97,12 @@ def test_decode_attention_in_half_precision(dtype):
     g = torch.Generator().manual_seed(7)
     hkv, group, d, bs, lens = 3, 3, 64, 16, [5, 40, 123]
     k_pool, v_pool = random_pools(g, hkv, 20, bs, d, dtype)
-    meta = build_metadata(random_tables(g, lens, bs, 20), lens, [], bs)
+    tables = random_tables(g, lens, bs, 20)
+    meta = build_metadata(tables, lens, [], bs)
     q = torch.randn(len(lens), hkv * group, d, generator=g).to(dtype)
-    out = torch.full((len(lens), hkv * group * d), float("nan"), dtype=dtype)
-    TritonAttention().decode(q, k_pool, v_pool, meta, d**-0.5, out)
+    out = torch.full((len(lens), hkv * group * d), float("nan"), dtype=dtype, device=DEVICE)
+    TritonAttention().decode(*on_device(q, k_pool, v_pool),
+                             build_metadata(tables, lens, [], bs, DEVICE), d**-0.5, out)
     expected = decode_attention_reference(q.float(), k_pool.float(), v_pool.float(), meta, d**-0.5)
     assert rel(out, expected) <= bound(dtype)
 
@@ -114,9 +127,12 @@ def test_prefill_attention_over_cached_prefixes_matches_the_torch_path(head_dim,
     k = torch.randn(num_tokens, hkv, head_dim, generator=g)
     v = torch.randn(num_tokens, hkv, head_dim, generator=g)
     write_kv(k, v, k_pool, v_pool, meta.slot_mapping, kernels=False)
-    got = torch.full((num_tokens, hq * head_dim), float("nan"))
-    expected = got.clone()
-    TritonAttention().prefill(q, k, v, k_pool, v_pool, meta, head_dim**-0.5, got)
+    got = torch.full((num_tokens, hq * head_dim), float("nan"), device=DEVICE)
+    expected = torch.full((num_tokens, hq * head_dim), float("nan"))
+    dev_meta = build_metadata(tables[:2], decode_lens,
+                              [(t, c, n) for t, (c, n) in zip(tables[2:], chunks)], bs, DEVICE)
+    TritonAttention().prefill(*on_device(q, k, v, k_pool, v_pool), dev_meta, head_dim**-0.5, got)
+    got = got.cpu()
     TorchAttention(cpu_kernels=False).prefill(q, k, v, k_pool, v_pool, meta, head_dim**-0.5,
                                               expected)
     assert got[:2].isnan().all()  # the decode rows are not the prefill kernel's to write
@@ -136,8 +152,9 @@ def test_write_kv_writes_exactly_its_slots(dtype):
     v = torch.randn(29, hkv, d, generator=g).to(dtype)
     ek, ev = k_pool.clone(), v_pool.clone()
     write_kv(k, v, ek, ev, slots, kernels=False)
-    TritonAttention().write_kv(k, v, k_pool, v_pool, slots)
-    assert torch.equal(k_pool, ek) and torch.equal(v_pool, ev)
+    k_pool, v_pool = on_device(k_pool, v_pool)
+    TritonAttention().write_kv(*on_device(k, v), k_pool, v_pool, slots.to(DEVICE))
+    assert torch.equal(k_pool.cpu(), ek) and torch.equal(v_pool.cpu(), ev)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -149,7 +166,9 @@ def test_rope_matches_the_reference(head_dim):
     positions = torch.randint(0, 512, (n,), generator=g)
     expected = qkv.clone()
     ops.rope_reference_(expected, positions, table, hq + hkv, head_dim)
-    TritonAttention().rope_(qkv, positions, table, hq + hkv, head_dim)
+    qkv = qkv.to(DEVICE)
+    TritonAttention().rope_(qkv, *on_device(positions, table), hq + hkv, head_dim)
+    qkv = qkv.cpu()
     assert rel(qkv, expected) <= FP32_REL_MAX
     assert torch.equal(qkv[:, (hq + hkv) * head_dim:], expected[:, (hq + hkv) * head_dim:])
 
@@ -161,7 +180,7 @@ def test_rotating_keys_in_place_matches_rope_rotate(head_dim, delta):
     table = ops.rope_cos_sin(10000.0, head_dim, 512)
     keys = torch.randn(31, 3, head_dim, generator=g)
     expected = ops.rope_rotate(keys, delta, table)
-    got = TritonAttention().rotate_keys(keys.clone(), delta, table)
+    got = TritonAttention().rotate_keys(keys.to(DEVICE), delta, table.to(DEVICE))
     assert rel(got, expected) <= FP32_REL_MAX
 
 
@@ -173,13 +192,20 @@ def test_shift_request_kv_moves_and_rotates_like_the_torch_path():
     table_ = ops.rope_cos_sin(10000.0, d, 512)
     ek, ev = k_pool.clone(), v_pool.clone()
     TorchAttention(cpu_kernels=False).shift_request_kv(ek, ev, table, 4, 98, 200, table_)
-    TritonAttention().shift_request_kv(k_pool, v_pool, table, 4, 98, 200, table_)
-    assert rel(k_pool, ek) <= FP32_REL_MAX and torch.equal(v_pool, ev)
+    k_pool, v_pool = on_device(k_pool, v_pool)
+    TritonAttention().shift_request_kv(k_pool, v_pool, table, 4, 98, 200, table_.to(DEVICE))
+    assert rel(k_pool, ek) <= FP32_REL_MAX and torch.equal(v_pool.cpu(), ev)
 
 
 def test_backend_choice():
     assert isinstance(make_backend("auto", torch.device("cpu"), True), TorchAttention)
-    assert isinstance(make_backend("triton", torch.device("cpu"), True), TritonAttention)
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the kernels run interpreted on the CPU
+        assert isinstance(make_backend("triton", torch.device("cpu"), True), TritonAttention)
+    else:
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            make_backend("triton", torch.device("cpu"), True)
+    if torch.cuda.is_available():
+        assert isinstance(make_backend("auto", DEVICE, True), TritonAttention)
     with pytest.raises(ValueError, match="attention backend"):
         make_backend("flash", torch.device("cpu"), True)
     with pytest.raises(ValueError, match="--block-size to be a power of two"):
@@ -206,7 +232,9 @@ def test_bench_kernels_says_there_is_no_gpu_and_succeeds(tmp_path):
 @pytest.mark.slow
 def test_engine_with_triton_backend_gives_the_torch_tokens(fp32_model, tokenizer):
     """Whole iterations of the real model, prefill and decode mixed, with every attention op
-    a Triton kernel: the same greedy tokens as the torch backend."""
+    a Triton kernel: the same greedy tokens as the torch backend (both on the GPU where there
+    is one: the torch backend's chunked prefill over a cached prefix once built its mask on the
+    CPU there)."""
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):",
                "Once upon a time, in a small village by the sea, there lived"]
@@ -216,7 +244,7 @@ def test_engine_with_triton_backend_gives_the_torch_tokens(fp32_model, tokenizer
     for backend in ("torch", "triton"):
         # An 8-token budget chunks the longest prompt: queries also attend to a cached prefix.
         engine = make_engine(fp32_model, attention_backend=backend, kv_cache_bytes=16 << 20,
-                             max_num_batched_tokens=8)
+                             max_num_batched_tokens=8, device=str(DEVICE))
         assert engine.model.attention.name == backend
         tokens[backend] = {r: c.token_ids for r, c in generate(engine, requests).items()}
     assert all(len(t) == 6 for t in tokens["triton"].values())

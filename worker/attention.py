@@ -66,10 +66,11 @@ class PrefillSpan:
     @cached_property
     def mask(self) -> torch.Tensor:
         """`[chunk, num_cached + chunk]` bool, True where query i (at position num_cached + i)
-        may attend: every cached token and the chunk's tokens up to itself."""
-        chunk = self.end - self.start
-        pos = torch.arange(chunk) + self.num_cached
-        return torch.arange(self.num_cached + chunk)[None, :] <= pos[:, None]
+        may attend: every cached token and the chunk's tokens up to itself. On the block
+        table's device (the K/V cache's)."""
+        chunk, device = self.end - self.start, self.block_table.device
+        pos = torch.arange(chunk, device=device) + self.num_cached
+        return torch.arange(self.num_cached + chunk, device=device)[None, :] <= pos[:, None]
 
 
 @dataclass
