@@ -111,8 +111,9 @@ for the number of rows an iteration brings.
   rebuilds each pair of blocks' weight tiles from the levels into a scratch buffer and runs
   amx_linear's tile products in its order: amx_linear's bits, for iterations of up to
   Q4_AMX_MAX_ROWS rows (single-stream decode 73.5 -> 93.6 tokens/s on a 2-core Xeon with AMX,
-  104.5 with `decode_stack`; session 25). Not under `--quantization`. Tensor-parallel shards carry their part of the levels (the row-parallel
-  ones split by inputs, whole groups of 32 where the split falls on them, else not used).
+  104.5 with `decode_stack`; session 25). Not under `--quantization`. Tensor-parallel shards
+  carry their part of the levels (the row-parallel ones split by inputs, whole groups of 32
+  where the split falls on them, else not used).
 - **Lanes kernels for float32 iterations of a few rows under `--quantization`**
   (`shoal::int8_linear`, `shoal::int4_linear`, any AVX-512 CPU): where the engine serves float32
   (`--dtype auto` on CPUs without bfloat16 instructions), torch's weight-only kernels were slower
@@ -223,8 +224,9 @@ Q4_LANES_MAX_ROWS = 32
 # all 120 SmolLM2 projections, 2-core Xeon with AMX, ms (runs in turns in one process; docs/
 # benchmarks.md, session 25), amx_linear / q4_amx_linear: 1 row 10.8 / 8.5, 8 rows 14.0 / 9.3,
 # 32 rows 11.1 / 8.8, 64 rows 14.6 / 13.6, 96 rows 16.6 / 17.1, 128 rows 21.0 / 20.1. In the
-# engine (decode tokens/s in turns, medians of 5) the levels gained at 16 rows (731 -> 910) and
-# not past 32 (48 rows 1,137 / 1,226, 64 rows 1,312 / 1,202: within the host's noise).
+# engine (decode tokens/s in turns, medians of 5, levels off / on) 16 rows 731 / 910, 32 rows
+# 980 / 966-995, 48 rows 1,137 / 1,166, 64 rows 1,312 / 1,202: a gain at 16 rows, within the
+# host's noise past it.
 Q4_AMX_MAX_ROWS = 32
 # SmolLM2's LM head ([49152, 576]) through dp_linear against oneDNN, ms (2-core Zen 5, A/B
 # interleaved): 8 rows 0.92 / 1.26, 64 rows 4.67 / 4.85, 128 rows 10.25 / 9.30, 256 rows 19.6 /

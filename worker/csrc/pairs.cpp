@@ -78,33 +78,33 @@ inline void store_silu_rows(const float* g, const float* u, uint16_t* y, int64_t
                             int64_t i, int64_t cb) {
   const int64_t rows = std::min<int64_t>(16, m - 16 * i);
   for (int64_t r = 0; r < rows; ++r)
-    store16(y + (16 * i + r) * n + cb * 16, _mm512_mul_ps(silu16(load16(g + r * 16)), load16(u + r * 16)));
+    store16(y + (16 * i + r) * n + cb * 16,
+            _mm512_mul_ps(silu16(load16(g + r * 16)), load16(u + r * 16)));
 }
 // Row tile i's accumulators of the pair: tiles TA (block nb) and TB (block nb + 1) into y, or
 // with Silu (gate block nb, up block nb + 1) SwiGLU's product at channel block nb / 2. (Tile
 // numbers must be literals: _tile_stored is a macro naming the register.)
-#define SHOAL_STORE_PAIR(TA, TB, i)             \
-  _tile_stored(TA, c, 64);                      \
-  _tile_stored(TB, c + 256, 64);                \
-  if constexpr (Silu) {                         \
+#define SHOAL_STORE_PAIR(TA, TB, i)                  \
+  _tile_stored(TA, c, 64);                           \
+  _tile_stored(TB, c + 256, 64);                     \
+  if constexpr (Silu) {                              \
     store_silu_rows(c, c + 256, y, m, n, i, nb / 2); \
-  } else {                                      \
-    store_rows(c, y, m, n, i, nb);              \
-    store_rows(c + 256, y, m, n, i, nb + 1);    \
+  } else {                                           \
+    store_rows(c, y, m, n, i, nb);                   \
+    store_rows(c + 256, y, m, n, i, nb + 1);         \
   }
 
 // One pair of output blocks (weights w0, w1: K / 32 tiles each) for MB (1 or 2) blocks of 16
-// rows of x (x0 and x1, each 16 rows of K): every tile of x loaded serves both weight tiles. Accumulators tmm0-3 are
-// (rows 0-15, w0), (rows 16-31, w0), (rows 0-15, w1), (rows 16-31, w1). Meanwhile `pf_lines`
+// rows of x (x0 and x1, each 16 rows of K): every tile of x loaded serves both weight tiles.
+// Accumulators tmm0-3 are (rows 0-15, w0), (rows 16-31, w0), (rows 0-15, w1), (rows 16-31, w1). Meanwhile `pf_lines`
 // 64-byte lines from `pf` (a slice of the next pair's weights) are asked for into L2, spread
 // over the K / 32 steps. `ready(j)` runs before the weight tiles of step j are loaded (a
 // source that writes them there, as q4_amx_linear's does, writes them then). y's rows are n
 // wide; with Silu the pair is a gate block and its up block, and y gets SwiGLU's product.
 template <int MB, bool Silu, class Ready>
 inline void amx_pair(const uint16_t* x0, const uint16_t* x1, const uint16_t* w0,
-                     const uint16_t* w1, uint16_t* y,
-                     int64_t m, int64_t k, int64_t n, int64_t nb, float* c, const char* pf,
-                     int64_t pf_lines, const Ready& ready) {
+                     const uint16_t* w1, uint16_t* y, int64_t m, int64_t k, int64_t n, int64_t nb,
+                     float* c, const char* pf, int64_t pf_lines, const Ready& ready) {
   _tile_zero(0);
   _tile_zero(2);
   if (MB > 1) { _tile_zero(1); _tile_zero(3); }
@@ -141,8 +141,9 @@ constexpr int64_t kAmxRowBlock = 256;
 // as swiglu_interleave orders them) SwiGLU's product, half the blocks' channels.
 //
 // Past Source::kPrefetchAbove rows (packed weights: 16) each pair also asks for the next pair's
-// weights into L2, spread over its row tiles: the tile loads wait on the tile products before them (there are 8 tile registers and no
-// renaming), so with more than one row tile the hardware prefetcher's stream fell behind. All of
+// weights into L2, spread over its row tiles: the tile loads wait on the tile products before
+// them (there are 8 tile registers and no renaming), so with more than one row tile the
+// hardware prefetcher's stream fell behind. All of
 // SmolLM2's 120 projections from DRAM, medians of interleaved runs (2-core Xeon with AMX): 32 rows
 // 11.7 -> 10.9 ms, 48 rows 13.6 -> 12.7, 64 rows 14.7 -> 14.2, 128 rows 21.6 -> 20.9; W64
 // in-process 2.88-2.95 -> 2.76-2.82 s. At 1-16 rows (one row tile, the stream already at the
@@ -167,11 +168,11 @@ void amx_linear_blocks(const uint16_t* x, const uint16_t* tail, const Source& sr
         // The pair's weight tiles are made ready for the first row tile; the others reuse them.
         const auto ready = [&, first = r == m0](int64_t j) { if (first) src.ready(nb, j); };
         if (m - r > 16)
-          amx_pair<2, Silu>(rows(r), rows(r + 16), w0, w0 + kt * 512, y + r * n, m - r, k, n, nb, c,
-                      pf, lines, ready);
+          amx_pair<2, Silu>(rows(r), rows(r + 16), w0, w0 + kt * 512, y + r * n, m - r, k, n,
+                            nb, c, pf, lines, ready);
         else
-          amx_pair<1, Silu>(rows(r), nullptr, w0, w0 + kt * 512, y + r * n, m - r, k, n, nb, c, pf,
-                      lines, ready);
+          amx_pair<1, Silu>(rows(r), nullptr, w0, w0 + kt * 512, y + r * n, m - r, k, n, nb,
+                            c, pf, lines, ready);
         if (pf) pf += 64 * lines;
       }
     }
@@ -613,10 +614,6 @@ void q4_linear_run(const char* x, const char* w, int64_t m, int64_t row_bytes, i
   });
 }
 
-// y = x W^T for x `[M, K]` bfloat16 against `packed` `[N / 16, K / 32, kQ4GroupBytes]` uint8
-// (pack_q4_pairs); returns `[M, N]` bfloat16, or with `silu_and_mul` (gate and up blocks
-// interleaved, as for dp_linear_silu) `[M, N / 2]` silu(gate) * up: what dp_linear and
-// dp_linear_silu return for the bfloat16 weight the levels stand for, bit for bit.
 // x `[M, K]` bfloat16, contiguous, checked against levels packed by pack_q4_pairs; N.
 std::tuple<Tensor, int64_t> q4_linear_input(const Tensor& x_in, const Tensor& packed) {
   TORCH_CHECK(x_in.device().is_cpu(), "x must be on the CPU");
@@ -631,6 +628,10 @@ std::tuple<Tensor, int64_t> q4_linear_input(const Tensor& x_in, const Tensor& pa
   return {x, n};
 }
 
+// y = x W^T for x `[M, K]` bfloat16 against `packed` `[N / 16, K / 32, kQ4GroupBytes]` uint8
+// (pack_q4_pairs); returns `[M, N]` bfloat16, or with `silu_and_mul` (gate and up blocks
+// interleaved, as for dp_linear_silu) `[M, N / 2]` silu(gate) * up: what dp_linear and
+// dp_linear_silu return for the bfloat16 weight the levels stand for, bit for bit.
 Tensor q4_linear(const Tensor& x_in, const Tensor& packed, bool silu_and_mul) {
   const auto [x, n] = q4_linear_input(x_in, packed);
   const int64_t m = x.size(0), k = x.size(1);
