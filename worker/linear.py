@@ -110,7 +110,7 @@ for the number of rows an iteration brings.
   `vdpbf16ps` (about one output in 2,000 differs by a bfloat16 unit), `shoal::q4_amx_linear`
   rebuilds each pair of blocks' weight tiles from the levels into a scratch buffer and runs
   amx_linear's tile products in its order: amx_linear's bits, for iterations of up to
-  Q4_AMX_MAX_ROWS rows (single-stream decode 73.5 -> 93.6 tokens/s on a 2-core Xeon with AMX,
+  Q4_AMX_MAX_ROWS rows (decode at batch 1 73.5 -> 93.6 tokens/s on a 2-core Xeon with AMX,
   104.5 with `decode_stack`; session 25). Not under `--quantization`. Tensor-parallel shards
   carry their part of the levels (the row-parallel ones split by inputs, whole groups of 32
   where the split falls on them, else not used).
@@ -221,8 +221,8 @@ Q4_MAX_ROWS = 8
 # 6.3 / 7.8 / 14.3 / 27.0 / 47.3-53.1 / 74.9 / 140.
 Q4_LANES_MAX_ROWS = 32
 # shoal::q4_amx_linear (the levels on AMX tiles, amx_linear's bits) beats amx_linear up to here:
-# all 120 SmolLM2 projections, 2-core Xeon with AMX, ms (runs in turns in one process; docs/
-# benchmarks.md, session 25), amx_linear / q4_amx_linear: 1 row 10.8 / 8.5, 8 rows 14.0 / 9.3,
+# all 120 SmolLM2 projections, 2-core Xeon with AMX, ms (runs in turns in one process;
+# docs/benchmarks.md, session 25), amx_linear / q4_amx_linear: 1 row 10.8 / 8.5, 8 rows 14.0 / 9.3,
 # 32 rows 11.1 / 8.8, 64 rows 14.6 / 13.6, 96 rows 16.6 / 17.1, 128 rows 21.0 / 20.1. In the
 # engine (decode tokens/s in turns, medians of 5, levels off / on) 16 rows 731 / 910, 32 rows
 # 980 / 966-995, 48 rows 1,137 / 1,166, 64 rows 1,312 / 1,202: a gain at 16 rows, within the
@@ -496,10 +496,11 @@ class Linear:
             (`shoal::int8_linear`, `shoal::int4_linear`, and unquantized with `pack`
             `shoal::f32_linear`; out_features and in_features multiples of 32), int4 at every
             size, float32 or bfloat16, through `shoal::int4_q8_linear` where it is built (not
-            on AMX CPUs), and serve bfloat16 iterations of up to AMX_MAX_ROWS rows on AMX
-            tiles where the CPU has them, else of up to `dp_max_rows` rows with AVX512_BF16
-            (out_features and in_features multiples of 32; a packed copy of the weight, the only
-            one kept when it serves every size).
+            on AMX CPUs), and serve bfloat16 iterations of up to AMX_MAX_ROWS rows (a gate/up
+            weight: AMX_SWIGLU_MAX_ROWS, every size) on AMX tiles where the CPU has them, else
+            of up to `dp_max_rows` rows with AVX512_BF16 (out_features and in_features
+            multiples of 32; a packed copy of the weight, the only one kept when it serves
+            every size).
         dp_max_rows: the most rows `shoal::dp_linear` serves (DP_MAX_ROWS: all; the LM head
             takes LM_HEAD_DP_MAX_ROWS).
         swiglu: the weight is a fused `[gate; up]` (`[2 * intermediate, in]`, intermediate a
