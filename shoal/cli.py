@@ -71,6 +71,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu)")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="auto: triton on CUDA, the torch path (C++ kernels) on the CPU")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: run decode iterations op by op on a GPU too (by default "
+                        "they replay graphs captured at start-up)")
     _add_prefix_caching_arg(p)
     _add_speculative_arg(p)
 
@@ -318,6 +321,7 @@ def _engine_config(args: argparse.Namespace):
             max_model_len=args.max_model_len, quantization=args.quantization,
             device=args.device, attention_backend=args.attention_backend,
             enable_prefix_caching=args.enable_prefix_caching, speculative=speculative,
+            enforce_eager=args.enforce_eager,
         )
     except ValueError as e:
         raise CLIError(str(e)) from e

@@ -157,6 +157,22 @@ def test_write_kv_writes_exactly_its_slots(dtype):
     assert torch.equal(k_pool.cpu(), ek) and torch.equal(v_pool.cpu(), ev)
 
 
+def test_write_kv_skips_padding_rows():
+    """Rows with a negative slot (a CUDA graph's padding, worker/cuda_graphs.py) write nothing;
+    the others land at their slots."""
+    g = torch.Generator().manual_seed(4)
+    hkv, d, bs, num_blocks = 3, 64, 16, 6
+    k_pool, v_pool = random_pools(g, hkv, num_blocks, bs, d, torch.float32)
+    slots = torch.tensor([17, -1, 40, -1, -1, 3])
+    k, v = torch.randn(6, hkv, d, generator=g), torch.randn(6, hkv, d, generator=g)
+    real = slots >= 0
+    ek, ev = k_pool.clone(), v_pool.clone()
+    write_kv(k[real], v[real], ek, ev, slots[real], kernels=False)
+    k_pool, v_pool = on_device(k_pool, v_pool)
+    TritonAttention().write_kv(*on_device(k, v), k_pool, v_pool, slots.to(DEVICE))
+    assert torch.equal(k_pool.cpu(), ek) and torch.equal(v_pool.cpu(), ev)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_rope_matches_the_reference(head_dim):
     g = torch.Generator().manual_seed(head_dim)

@@ -335,6 +335,11 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
     table.add_row("all layers in one call (shoal::decode_stack)",
                   f"iterations of <= {stack_rows} rows" if stack_rows else "no")
     table.add_row("attention backend", engine.model.attention.name)
+    graphs = engine.decode_graphs
+    graph_sizes = graphs.sizes if graphs is not None else []
+    table.add_row("CUDA graphs for decode",
+                  f"batches of 1-{graph_sizes[-1]} ({len(graph_sizes)} graphs)" if graph_sizes
+                  else "no")
     table.add_row("model load, kernel build included (s)", f"{load_s:.1f}")
     table.add_row("K/V blocks", f"{engine.num_total_blocks} x {cfg.block_size} tokens")
     table.add_row("peak resident memory (MiB)", f"{peak_rss / 2**20:.0f}")
@@ -357,6 +362,7 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
         "q4_levels": {"projections": levels, "of": projections, "max_rows": level_rows},
         "decode_stack_max_rows": stack_rows,
         "attention_backend": engine.model.attention.name,
+        "cuda_graph_batch_sizes": graph_sizes,
         "prefill_tokens_per_s": prefill,
         "model_load_seconds": load_s, "peak_rss_bytes": peak_rss,
     }

@@ -147,6 +147,8 @@ class EngineConfig:
             (and carry the same `cache_salt`) share those blocks' K/V instead of computing them
             again; blocks no request owns stay cached until evicted (worker.kv_cache).
         speculative: speculative decoding (SpeculativeConfig), None for none.
+        enforce_eager: run every iteration op by op; False (the default) replays CUDA graphs
+            for decode iterations on a GPU (worker.cuda_graphs; no effect on the CPU).
     """
 
     dtype: torch.dtype = torch.bfloat16
@@ -162,6 +164,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     speculative: SpeculativeConfig | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -123,6 +123,14 @@ class Engine:
 
             self.model = TensorParallelLeader(self.model)
         self.device = self.model.device
+        # Decode iterations replay CUDA graphs (worker.cuda_graphs) on a GPU unless told not to.
+        self.decode_graphs = None
+        if (self.device.type == "cuda" and not cfg.enforce_eager and tp is None
+                and self.model.attention.name == "triton"):
+            from worker.cuda_graphs import DecodeGraphs
+
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, cfg.max_num_seqs,
+                                              self.max_model_len)
         self.sampler = Sampler()
         self.running: dict[str, Sequence] = {}
         self.keep_logits = keep_logits
@@ -435,18 +443,23 @@ class Engine:
                     samplers.append((s, len(sample_rows)))
                     sample_rows.append(len(ids) - 1)
             positions += range(start, start + c)
-        meta = build_metadata(
-            [s.block_table for s in plain], [s.num_computed_tokens + 1 for s in plain],
-            [(s.block_table, s.num_computed_tokens, c) for s, c in chunks],
-            self.cfg.block_size, self.device,
-        )
-        # Only the sampling rows' final hidden states are read (all of them in a decode-only
-        # iteration): the last layer's O and MLP skip the other rows.
-        out_rows = (None if len(sample_rows) == len(ids)
-                    else torch.tensor(sample_rows, dtype=torch.long, device=self.device))
-        hidden = self.model.forward(torch.tensor(ids, device=self.device),
-                                    torch.tensor(positions, device=self.device), meta, self.kv_cache,
-                                    out_rows)
+        tables, lens = [s.block_table for s in plain], [s.num_computed_tokens + 1 for s in plain]
+        graphs = self.decode_graphs
+        if (graphs is not None and not chunks
+                and graphs.fits(len(plain), max(len(t) for t in tables))):
+            hidden = graphs.run(ids, tables, lens)
+        else:
+            meta = build_metadata(
+                tables, lens, [(s.block_table, s.num_computed_tokens, c) for s, c in chunks],
+                self.cfg.block_size, self.device,
+            )
+            # Only the sampling rows' final hidden states are read (all of them in a decode-only
+            # iteration): the last layer's O and MLP skip the other rows.
+            out_rows = (None if len(sample_rows) == len(ids)
+                        else torch.tensor(sample_rows, dtype=torch.long, device=self.device))
+            hidden = self.model.forward(torch.tensor(ids, device=self.device),
+                                        torch.tensor(positions, device=self.device), meta,
+                                        self.kv_cache, out_rows)
         for s in plain:
             s.num_computed_tokens += 1
         for s, c in prefills:

@@ -1,7 +1,8 @@
 """Triton kernels that write the paged K/V cache and apply rotary position embeddings (RoPE).
 
 - `write_kv`: store each new token's K and V at its slot `block * BS + offset` (pool layouts as in
-  worker/kv_cache.py: keys transposed inside a block).
+  worker/kv_cache.py: keys transposed inside a block); a negative slot is a padding row (a CUDA
+  graph's batch padded to its captured size, worker/cuda_graphs.py) and writes nothing.
 - `rope_`: rotate, in place, the first heads of each row by a per-row position in the "rotate
   half" layout (Su et al. 2021; transformers' Llama): `x1' = x1 cos - x2 sin`,
   `x2' = x2 cos + x1 sin`. With `sign=-1` it rotates backwards, which is the in-place key rotation
@@ -28,8 +29,8 @@ def _write_kv_kernel(
     n = tl.program_id(0)
     h = tl.arange(0, HKV_PAD)[:, None]
     d = tl.arange(0, D)[None, :]
-    ok = h < HKV
     slot = tl.load(slots_ptr + n)
+    ok = (h < HKV) & (h * 0 + slot >= 0)  # broadcast: the interpreter refuses a scalar mask term
     block = slot // BS
     offset = slot % BS
     k = tl.load(k_ptr + n * stride_kn + h * stride_kh + d, mask=ok)
@@ -68,7 +69,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
         k, v: `[num_tokens, Hkv, D]` (unit stride along D), the pools' dtype.
         k_pool: `[Hkv, num_blocks, D, BS]`; v_pool: `[Hkv, num_blocks, BS, D]` (unit stride along
             the last dimension).
-        slot_mapping: `[num_tokens]` int, `block * BS + offset` of each token; distinct.
+        slot_mapping: `[num_tokens]` int, `block * BS + offset` of each token; distinct, or
+            negative for a row that writes nothing.
     """
     n, hkv, d = k.shape
     if n == 0:
