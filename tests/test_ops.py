@@ -20,6 +20,7 @@ from worker.attention import (
 )
 from worker.linear import (
     AMX_MAX_ROWS,
+    AMX_NARROW_MAX_K,
     DP_MAX_ROWS,
     INT4_Q8_MAX_ROWS,
     LANES_MAX_ROWS,
@@ -298,7 +299,9 @@ def test_bfloat16_pair_kernels_serve_their_iterations(out_features, in_features)
     packed = torch.ops.shoal.pack_weight_pairs(w)
     lin = Linear(w, kernels=True)
     assert lin.pairs is not None and lin.amx == ops.amx_available()
-    assert lin.pairs_max_rows == (AMX_MAX_ROWS if lin.amx else DP_MAX_ROWS)
+    narrow = in_features <= AMX_NARROW_MAX_K  # amx_linear beats oneDNN at every size there
+    assert lin.pairs_max_rows == (DP_MAX_ROWS if not lin.amx
+                                  else sys.maxsize if narrow else AMX_MAX_ROWS)
     for rows in (1, 3, 7, 8, 16, 17, 40, 64, 81, 100, 300, AMX_MAX_ROWS, 2 * AMX_MAX_ROWS + 5):
         x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
         exact = torch.nn.functional.linear(x.float(), w.float())
@@ -321,6 +324,29 @@ def test_bfloat16_pair_kernels_serve_their_iterations(out_features, in_features)
         torch.ops.shoal.pack_weight_pairs(w[:, :40].contiguous())
     with pytest.raises(RuntimeError, match="packed by pack_weight_pairs"):
         torch.ops.shoal.dp_linear(torch.zeros(2, in_features + 32, dtype=torch.bfloat16), packed)
+
+
+@pytest.mark.skipif(not ops.amx_available(), reason="needs AMX")
+@pytest.mark.parametrize(("out_features", "in_features", "silu"),
+                         [(960, 576, False), (3072, 576, True), (96, 640, False),
+                          (160, 1536, False), (64, 160, True)])
+def test_amx_linear_rows_get_the_same_bits_in_any_iteration(out_features, in_features, silu):
+    """Past 64 rows amx_linear turns its loop order over (K <= 640: 32 rows of x at a time
+    against groups of weight blocks, worker/csrc/pairs.cpp): every row must still come out with
+    the bits it gets in an iteration of 16 rows, so a request's tokens do not depend on what
+    runs beside it (3,072 channels at K = 576: several groups of blocks a thread; K = 1,536: the
+    old order throughout)."""
+    g = torch.Generator().manual_seed(out_features + in_features)
+    w = (torch.randn(out_features, in_features, generator=g) * 0.1).to(torch.bfloat16)
+    packed = torch.ops.shoal.pack_weight_pairs(w)
+    for rows in (65, 97, 300, 1100):
+        x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+        y = torch.ops.shoal.amx_linear(x, packed, silu)
+        small = torch.cat([torch.ops.shoal.amx_linear(x[i:i + 16], packed, silu)
+                           for i in range(0, rows, 16)])
+        assert torch.equal(y.view(torch.int16), small.view(torch.int16)), rows
+        if not silu:  # (SwiGLU's values: test_pair_kernels_give_swiglu_of_the_gate_up_projection)
+            assert rel(y, torch.nn.functional.linear(x.float(), w.float())) <= 5e-3, rows
 
 
 @pytest.mark.skipif(not ops.dp_linear_available(), reason="needs AVX512_BF16")

@@ -208,6 +208,12 @@ AMX_MAX_ROWS = 1024  # shoal::amx_linear beats oneDNN up to here (table above; 2
 # 6): 512 rows 75.6 / 70.3, 1,024 rows 139.6 / 139.7, 1,536 rows 221.9 / 207.4, 2,048 rows
 # 296.5 / 275.5 (session 25). So a gate/up weight keeps no oneDNN copy there.
 AMX_SWIGLU_MAX_ROWS = sys.maxsize
+# Past 64 rows amx_linear turns its loop order over where 32 rows of x fit in L1 (K <= 640,
+# worker/csrc/pairs.cpp kAmxRowsOuterMaxK): then it beats oneDNN at every size. SmolLM2's 30
+# layers at 2,048 rows, ms, in turns (session 26, 2-core Xeon with AMX), oneDNN / amx_linear:
+# QKV 31.3 / 26.5, O 18.8 / 16.6; 512 rows QKV 17.4 / 8.5, O 10.8 / 4.6. So those projections
+# keep no oneDNN copy either; down (K = 1,536) keeps AMX_MAX_ROWS.
+AMX_NARROW_MAX_K = 640
 # shoal::dp_linear serves bfloat16 iterations of every size where it runs (see above).
 DP_MAX_ROWS = sys.maxsize
 # shoal::q4_linear (GGUF's 4-bit levels, dp_linear's bits) beats dp_linear up to here: all 120
@@ -592,7 +598,9 @@ class Linear:
                 and self.lanes_max_rows != sys.maxsize):
             if ops.amx_available():
                 self.amx = True
-                self.pairs_max_rows = AMX_SWIGLU_MAX_ROWS if swiglu else AMX_MAX_ROWS
+                self.pairs_max_rows = (AMX_SWIGLU_MAX_ROWS if swiglu
+                                       else sys.maxsize if self.in_features <= AMX_NARROW_MAX_K
+                                       else AMX_MAX_ROWS)
             elif ops.dp_linear_available():
                 self.pairs_max_rows = dp_max_rows
             # A gate/up weight goes in (gate, up) block pairs: SwiGLU's product then comes out

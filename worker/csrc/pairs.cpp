@@ -101,7 +101,10 @@ inline void store_silu_rows(const float* g, const float* u, uint16_t* y, int64_t
 // over the K / 32 steps. `ready(j)` runs before the weight tiles of step j are loaded (a
 // source that writes them there, as q4_amx_linear's does, writes them then). y's rows are n
 // wide; with Silu the pair is a gate block and its up block, and y gets SwiGLU's product.
-template <int MB, bool Silu, class Ready>
+//
+// With StreamW the weight tiles load with tileloaddt1 (`_tile_stream_loadd`, a hint that they
+// will not be reused soon): they then stay out of L1, which keeps x's 32 rows there instead.
+template <int MB, bool Silu, bool StreamW = false, class Ready>
 inline void amx_pair(const uint16_t* x0, const uint16_t* x1, const uint16_t* w0,
                      const uint16_t* w1, uint16_t* y, int64_t m, int64_t k, int64_t n, int64_t nb,
                      float* c, const char* pf, int64_t pf_lines, const Ready& ready) {
@@ -112,8 +115,13 @@ inline void amx_pair(const uint16_t* x0, const uint16_t* x1, const uint16_t* w0,
   int64_t due = 0;
   for (int64_t j = 0; j < kt; ++j) {
     ready(j);
-    _tile_loadd(6, w0 + j * 512, 64);
-    _tile_loadd(7, w1 + j * 512, 64);
+    if constexpr (StreamW) {
+      _tile_stream_loadd(6, w0 + j * 512, 64);
+      _tile_stream_loadd(7, w1 + j * 512, 64);
+    } else {
+      _tile_loadd(6, w0 + j * 512, 64);
+      _tile_loadd(7, w1 + j * 512, 64);
+    }
     _tile_loadd(4, x0 + j * 32, k * 2);
     prefetch_step<2>(pf, due, pf_lines, kt);
     _tile_dpbf16ps(0, 4, 6);
@@ -133,6 +141,20 @@ inline void amx_pair(const uint16_t* x0, const uint16_t* x1, const uint16_t* w0,
 // Rows of x per pass over the weights: they stay in L2 while every output block of the thread's
 // range is computed for them.
 constexpr int64_t kAmxRowBlock = 256;
+
+// Past this many rows, when 32 rows of x fit in L1 beside the tiles' traffic (K <= 640: 40 KB of
+// L1's 48), the order turns over: 32 rows at a time against a group of the thread's pairs (at
+// most kAmxGroupBytes of weights, which stay in L2), the weights streamed past L1 (tileloaddt1)
+// so that the rows stay there. Here a tile load from L2 ran at about a third of its pace from L1
+// (26 against 80 bytes/ns on 64-byte aligned tiles), and in the order above each pair's weights
+// and the row tiles cycled through L1 together, so both came from L2 every step. SmolLM2's 30
+// layers at 2,048 rows, ms, in turns (medians of 8; old order / turned over / oneDNN): gate/up
+// with SwiGLU 134 / 104-113 / -, QKV 32.7 / 26.5 / 31.3, O 21.2 / 16.6 / 18.8. Down (K = 1,536)
+// keeps the order above. At 64 rows the turned order lost (gate/up 12.3 / 19.9: a step's
+// weights come from DRAM, twice).
+constexpr int64_t kAmxRowsOuterAbove = 64;
+constexpr int64_t kAmxRowsOuterMaxK = 640;
+constexpr int64_t kAmxGroupBytes = 512 << 10;
 
 // Output blocks [begin, end) (an even range) for all m rows of x, 32 rows at a time: past the
 // first 32 the pair's weight tiles come from cache, not memory. A tile loads 16 rows: those of
@@ -156,6 +178,26 @@ void amx_linear_blocks(const uint16_t* x, const uint16_t* tail, const Source& sr
   const int64_t kt = k / 32;
   alignas(64) float c[2 * 16 * 16];
   const auto rows = [&](int64_t r) { return r + 16 <= m ? x + r * k : tail; };
+  if (m > kAmxRowsOuterAbove && k <= kAmxRowsOuterMaxK) {  // the turned-over order (above)
+    const int64_t group = std::max<int64_t>(2, kAmxGroupBytes / (kt * 2048) * 2);  // blocks
+    for (int64_t g0 = begin; g0 < end; g0 += group) {
+      const int64_t g1 = std::min(end, g0 + group);
+      for (int64_t r = 0; r < m; r += 32) {
+        for (int64_t nb = g0; nb < g1; nb += 2) {
+          const uint16_t* w0 = src.pair(nb);
+          const auto ready = [&](int64_t j) { src.ready(nb, j); };
+          if (m - r > 16)
+            amx_pair<2, Silu, true>(rows(r), rows(r + 16), w0, w0 + kt * 512, y + r * n,
+                                    m - r, k, n, nb, c, nullptr, 0, ready);
+          else
+            amx_pair<1, Silu, true>(rows(r), nullptr, w0, w0 + kt * 512, y + r * n, m - r, k,
+                                    n, nb, c, nullptr, 0, ready);
+        }
+      }
+    }
+    _tile_release();
+    return;
+  }
   for (int64_t m0 = 0; m0 < m; m0 += kAmxRowBlock) {  // these rows of x stay in cache
     const int64_t m1 = std::min(m, m0 + kAmxRowBlock);
     const int64_t tiles = (m1 - m0 + 31) / 32;
