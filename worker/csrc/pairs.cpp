@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace shoal {
@@ -65,34 +66,34 @@ std::tuple<Tensor, int64_t> pair_linear_input(const Tensor& x_in, const Tensor& 
 // pace up to 64 rows. Weights packed by pack_weight_pairs (above).
 // ---------------------------------------------------------------------------------------------
 
-// A stored accumulator tile c (16 x 16 float32) into rows [16 i, 16 i + 16) (up to row m) and
-// output channels [16 nb, 16 nb + 16) of y.
-inline void store_rows(const float* c, uint16_t* y, int64_t m, int64_t n, int64_t i, int64_t nb) {
-  const int64_t rows = std::min<int64_t>(16, m - 16 * i);
-  for (int64_t r = 0; r < rows; ++r) store16(y + (16 * i + r) * n + nb * 16, load16(c + r * 16));
-}
-// SwiGLU's product of a gate block's stored accumulators g and its up block's u (16 x 16 float32
-// each), for rows [16 i, 16 i + 16) (up to row m), into y `[m, n]` at channels [16 cb, 16 cb +
-// 16): silu(g) * u in float32, rounded once, as dp_linear_silu's store.
-inline void store_silu_rows(const float* g, const float* u, uint16_t* y, int64_t m, int64_t n,
-                            int64_t i, int64_t cb) {
-  const int64_t rows = std::min<int64_t>(16, m - 16 * i);
-  for (int64_t r = 0; r < rows; ++r)
-    store16(y + (16 * i + r) * n + cb * 16,
-            _mm512_mul_ps(silu16(load16(g + r * 16)), load16(u + r * 16)));
-}
-// Row tile i's accumulators of the pair: tiles TA (block nb) and TB (block nb + 1) into y, or
-// with Silu (gate block nb, up block nb + 1) SwiGLU's product at channel block nb / 2. (Tile
-// numbers must be literals: _tile_stored is a macro naming the register.)
-#define SHOAL_STORE_PAIR(TA, TB, i)                  \
-  _tile_stored(TA, c, 64);                           \
-  _tile_stored(TB, c + 256, 64);                     \
-  if constexpr (Silu) {                              \
-    store_silu_rows(c, c + 256, y, m, n, i, nb / 2); \
-  } else {                                           \
-    store_rows(c, y, m, n, i, nb);                   \
-    store_rows(c + 256, y, m, n, i, nb + 1);         \
+// A pair's accumulators, stored (c: tiles 0 and 2, rows 0-15, then 1 and 3, rows 16-31), into
+// y (`rows` rows from the pair's first, `n` wide): blocks nb and nb + 1, or with Silu (gate
+// block nb, up block nb + 1) SwiGLU's product silu(g) * u in float32, rounded once (as
+// dp_linear_silu's store), at channel block nb / 2. amx_pair converts them right away, or
+// (`step`) a slice of rows in each step of the next pair's tile products.
+template <bool Silu>
+struct PairStore {
+  const float* c = nullptr;
+  uint16_t* y = nullptr;
+  int64_t rows = 0, n = 0, nb = 0;
+  void rows_between(int64_t r0, int64_t r1) const {
+    for (int64_t r = r0; r < std::min(r1, rows); ++r) {
+      const float* g = c + (r / 16) * 512 + (r % 16) * 16;
+      if constexpr (Silu) {
+        store16(y + r * n + nb / 2 * 16, _mm512_mul_ps(silu16(load16(g)), load16(g + 256)));
+      } else {
+        store16(y + r * n + nb * 16, load16(g));
+        store16(y + r * n + nb * 16 + 16, load16(g + 256));
+      }
+    }
   }
+  void step(int64_t j, int64_t steps) const {
+    if (c) rows_between(j * 32 / steps, (j + 1) * 32 / steps);
+  }
+};
+struct NoPending {
+  void step(int64_t, int64_t) const {}
+};
 
 // One pair of output blocks (weights w0, w1: K / 32 tiles each) for MB (1 or 2) blocks of 16
 // rows of x (x0 and x1, each 16 rows of K): every tile of x loaded serves both weight tiles.
@@ -102,12 +103,17 @@ inline void store_silu_rows(const float* g, const float* u, uint16_t* y, int64_t
 // source that writes them there, as q4_amx_linear's does, writes them then). y's rows are n
 // wide; with Silu the pair is a gate block and its up block, and y gets SwiGLU's product.
 //
+// A pair's stores can also wait (`Pending`): the turned-over order (amx_linear_blocks) stores the
+// accumulators to memory and leaves converting them (SwiGLU's exp, the rounding) to the next
+// pair, a few rows each step, so that the vector units work while the tiles multiply.
+//
 // With StreamW the weight tiles load with tileloaddt1 (`_tile_stream_loadd`, a hint that they
 // will not be reused soon): they then stay out of L1, which keeps x's 32 rows there instead.
-template <int MB, bool Silu, bool StreamW = false, class Ready>
+template <int MB, bool Silu, bool StreamW = false, class Ready, class Pending = NoPending>
 inline void amx_pair(const uint16_t* x0, const uint16_t* x1, const uint16_t* w0,
                      const uint16_t* w1, uint16_t* y, int64_t m, int64_t k, int64_t n, int64_t nb,
-                     float* c, const char* pf, int64_t pf_lines, const Ready& ready) {
+                     float* c, const char* pf, int64_t pf_lines, const Ready& ready,
+                     const Pending& pending = {}) {
   _tile_zero(0);
   _tile_zero(2);
   if (MB > 1) { _tile_zero(1); _tile_zero(3); }
@@ -131,11 +137,14 @@ inline void amx_pair(const uint16_t* x0, const uint16_t* x1, const uint16_t* w0,
       _tile_dpbf16ps(1, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
+    pending.step(j, kt);
   }
-  SHOAL_STORE_PAIR(0, 2, 0);
-  if (MB > 1) {
-    SHOAL_STORE_PAIR(1, 3, 1);
-  }
+  _tile_stored(0, c, 64);
+  _tile_stored(2, c + 256, 64);
+  if (MB > 1) { _tile_stored(1, c + 512, 64); _tile_stored(3, c + 768, 64); }
+  // With a pending store the next pair converts these (the caller hands it on).
+  if constexpr (std::is_same_v<Pending, NoPending>)
+    PairStore<Silu>{c, y, std::min<int64_t>(32, m), n, nb}.rows_between(0, 32);
 }
 
 // Rows of x per pass over the weights: they stay in L2 while every output block of the thread's
@@ -151,7 +160,9 @@ constexpr int64_t kAmxRowBlock = 256;
 // layers at 2,048 rows, ms, in turns (medians of 8; old order / turned over / oneDNN): gate/up
 // with SwiGLU 134 / 104-113 / -, QKV 32.7 / 26.5 / 31.3, O 21.2 / 16.6 / 18.8. Down (K = 1,536)
 // keeps the order above. At 64 rows the turned order lost (gate/up 12.3 / 19.9: a step's
-// weights come from DRAM, twice).
+// weights come from DRAM, twice). Its stores wait for the next pair (PairStore::step): 30 gate/up
+// projections at 2,048 rows with SwiGLU 121.7 -> 110.5 ms (medians of 20 in turns; fastest
+// 100.9 -> 85.8), QKV 27.0 -> 26.4 (fastest).
 constexpr int64_t kAmxRowsOuterAbove = 64;
 constexpr int64_t kAmxRowsOuterMaxK = 640;
 constexpr int64_t kAmxGroupBytes = 512 << 10;
@@ -176,23 +187,28 @@ void amx_linear_blocks(const uint16_t* x, const uint16_t* tail, const Source& sr
   static const TileConfig config;
   _tile_loadconfig(&config);
   const int64_t kt = k / 32;
-  alignas(64) float c[2 * 16 * 16];
+  alignas(64) float c[4 * 16 * 16];
   const auto rows = [&](int64_t r) { return r + 16 <= m ? x + r * k : tail; };
   if (m > kAmxRowsOuterAbove && k <= kAmxRowsOuterMaxK) {  // the turned-over order (above)
     const int64_t group = std::max<int64_t>(2, kAmxGroupBytes / (kt * 2048) * 2);  // blocks
+    alignas(64) float stored[2][4 * 16 * 16];  // the pending pair's accumulators, and the next's
     for (int64_t g0 = begin; g0 < end; g0 += group) {
       const int64_t g1 = std::min(end, g0 + group);
       for (int64_t r = 0; r < m; r += 32) {
+        PairStore<Silu> pending;
         for (int64_t nb = g0; nb < g1; nb += 2) {
           const uint16_t* w0 = src.pair(nb);
           const auto ready = [&](int64_t j) { src.ready(nb, j); };
+          float* cs = stored[(nb - g0) / 2 % 2];
           if (m - r > 16)
             amx_pair<2, Silu, true>(rows(r), rows(r + 16), w0, w0 + kt * 512, y + r * n,
-                                    m - r, k, n, nb, c, nullptr, 0, ready);
+                                    m - r, k, n, nb, cs, nullptr, 0, ready, pending);
           else
             amx_pair<1, Silu, true>(rows(r), nullptr, w0, w0 + kt * 512, y + r * n, m - r, k,
-                                    n, nb, c, nullptr, 0, ready);
+                                    n, nb, cs, nullptr, 0, ready, pending);
+          pending = {cs, y + r * n, std::min<int64_t>(32, m - r), n, nb};
         }
+        pending.rows_between(0, 32);
       }
     }
     _tile_release();
@@ -221,7 +237,6 @@ void amx_linear_blocks(const uint16_t* x, const uint16_t* tail, const Source& sr
   }
   _tile_release();
 }
-#undef SHOAL_STORE_PAIR
 
 // amx_linear_blocks' source of weights that lie packed by pack_weight_pairs.
 struct PackedPairs {
