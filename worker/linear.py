@@ -66,7 +66,9 @@ for the number of rows an iteration brings.
   so oneDNN keeps iterations of more than 1,024 rows, but for gate/up: with SwiGLU's product
   written from the accumulators (`silu_and_mul=True`, gate and up blocks interleaved as for
   dp_linear_silu) amx_linear beats oneDNN and a separate `silu_and_mul` at every size
-  (AMX_SWIGLU_MAX_ROWS).
+  (AMX_SWIGLU_MAX_ROWS). Since session 26 amx_linear turns its loop order over past 64 rows
+  where K <= 640 (worker/csrc/pairs.cpp), and then beats oneDNN at every size there too
+  (AMX_NARROW_MAX_K): of SmolLM2's projections only down keeps a oneDNN copy.
 - **AVX512_BF16 dot products for bfloat16 iterations of every size** (`shoal::dp_linear`,
   where the CPU has AVX512_BF16 but no AMX: AMD Zen 4 and 5): the same packed weights, each
   64-byte vector a pair of input channels for 16 output channels, `vdpbf16ps` against a broadcast
