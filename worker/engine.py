@@ -446,7 +446,7 @@ class Engine:
         tables, lens = [s.block_table for s in plain], [s.num_computed_tokens + 1 for s in plain]
         graphs = self.decode_graphs
         if (graphs is not None and not chunks
-                and graphs.fits(len(plain), max(len(t) for t in tables))):
+                and graphs.fits(len(plain), max((len(t) for t in tables), default=0))):
             hidden = graphs.run(ids, tables, lens)
         else:
             meta = build_metadata(
