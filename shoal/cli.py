@@ -71,11 +71,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu)")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="auto: triton on CUDA, the torch path (C++ kernels) on the CPU")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs: run decode iterations op by op on a GPU too (by default "
-                        "they replay graphs captured at start-up)")
+    _add_enforce_eager_arg(p)
     _add_prefix_caching_arg(p)
     _add_speculative_arg(p)
+
+
+def _add_enforce_eager_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: run decode iterations op by op on a GPU too (by default "
+                        "they replay graphs captured at start-up; no effect on the CPU)")
 
 
 def _add_prefix_caching_arg(p: argparse.ArgumentParser) -> None:
@@ -198,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="every worker's attention backend (auto: triton on CUDA, else torch)")
     _add_tensor_parallel_arg(u)
+    _add_enforce_eager_arg(u)
     _add_prefix_caching_arg(u)
     _add_speculative_arg(u)
     u.add_argument("--policy", choices=POLICIES, default="reserve", help="the scheduler's policy")
@@ -563,6 +568,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
                    "--tensor-parallel-size", str(args.tensor_parallel_size),
                    "--enable-prefix-caching" if args.enable_prefix_caching
                    else "--no-enable-prefix-caching"]
+    if args.enforce_eager:
+        worker_args.append("--enforce-eager")
     for flag, value in (("--model", args.model), ("--kv-cache-bytes", args.kv_cache_bytes),
                         ("--max-model-len", args.max_model_len), ("--threads", args.threads),
                         ("--speculative-config", args.speculative_config)):

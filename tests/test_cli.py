@@ -91,6 +91,29 @@ def test_bench_engine_quick_writes_its_json(tmp_path):
     from worker.model import STACK_MAX_ROWS
 
     assert figures["decode_stack_max_rows"] == (STACK_MAX_ROWS if figures["cpu_kernels"] else 0)
+    import torch  # CUDA graphs serve decode on a GPU only (worker/cuda_graphs.py)
+
+    assert bool(figures["cuda_graph_batch_sizes"]) == torch.cuda.is_available()
+
+
+def test_up_hands_the_engine_flags_to_its_workers(monkeypatch):
+    """`shoal up` starts workers with the engine flags it was given (--enforce-eager among
+    them: vLLM's name for serving without CUDA graphs)."""
+    import shoal.fleet
+    from shoal.cli import main
+
+    seen = {}
+
+    def fake_up(host, port, workers, redis_url, worker_args, *rest):
+        seen["args"] = worker_args
+        return 0
+
+    monkeypatch.setattr(shoal.fleet, "up", fake_up)
+    assert main(["up", "--enforce-eager", "--no-enable-prefix-caching", "--dtype", "float32"]) == 0
+    args = seen["args"]
+    assert "--enforce-eager" in args and "--no-enable-prefix-caching" in args
+    assert args[args.index("--dtype") + 1] == "float32"
+    assert main(["up"]) == 0 and "--enforce-eager" not in seen["args"]
 
 
 def test_bench_engine_quick_samples_and_speculates_when_asked(tmp_path):
