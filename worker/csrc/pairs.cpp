@@ -7,7 +7,6 @@
 
 #include <cstdlib>
 #include <memory>
-#include <type_traits>
 #include <vector>
 
 namespace shoal {
@@ -69,8 +68,8 @@ std::tuple<Tensor, int64_t> pair_linear_input(const Tensor& x_in, const Tensor& 
 // A pair's accumulators, stored (c: tiles 0 and 2, rows 0-15, then 1 and 3, rows 16-31), into
 // y (`rows` rows from the pair's first, `n` wide): blocks nb and nb + 1, or with Silu (gate
 // block nb, up block nb + 1) SwiGLU's product silu(g) * u in float32, rounded once (as
-// dp_linear_silu's store), at channel block nb / 2. amx_pair converts them right away, or
-// (`step`) a slice of rows in each step of the next pair's tile products.
+// dp_linear_silu's store), at channel block nb / 2, a slice of rows in each step of the next
+// pair's tile products (`step`, from amx_pair), the rest after the last pair.
 template <bool Silu>
 struct PairStore {
   const float* c = nullptr;
@@ -91,29 +90,23 @@ struct PairStore {
     if (c) rows_between(j * 32 / steps, (j + 1) * 32 / steps);
   }
 };
-struct NoPending {
-  void step(int64_t, int64_t) const {}
-};
 
 // One pair of output blocks (weights w0, w1: K / 32 tiles each) for MB (1 or 2) blocks of 16
 // rows of x (x0 and x1, each 16 rows of K): every tile of x loaded serves both weight tiles.
-// Accumulators tmm0-3 are (rows 0-15, w0), (rows 16-31, w0), (rows 0-15, w1), (rows 16-31, w1). Meanwhile `pf_lines`
-// 64-byte lines from `pf` (a slice of the next pair's weights) are asked for into L2, spread
-// over the K / 32 steps. `ready(j)` runs before the weight tiles of step j are loaded (a
-// source that writes them there, as q4_amx_linear's does, writes them then). y's rows are n
-// wide; with Silu the pair is a gate block and its up block, and y gets SwiGLU's product.
-//
-// A pair's stores can also wait (`Pending`): the turned-over order (amx_linear_blocks) stores the
-// accumulators to memory and leaves converting them (SwiGLU's exp, the rounding) to the next
-// pair, a few rows each step, so that the vector units work while the tiles multiply.
+// Accumulators tmm0-3 are (rows 0-15, w0), (rows 16-31, w0), (rows 0-15, w1), (rows 16-31,
+// w1), stored to c at the end (PairStore's layout). Meanwhile `pf_lines` 64-byte lines from `pf`
+// (a slice of the next pair's weights) are asked for into L2, spread over the K / 32 steps, and
+// the previous pair's stores (`pending`: its rounding, SwiGLU's exp) run a slice of rows a step,
+// so that the vector units work while the tiles multiply. `ready(j)` runs before the weight
+// tiles of step j are loaded (a source that writes them there, as q4_amx_linear's does, writes
+// them then).
 //
 // With StreamW the weight tiles load with tileloaddt1 (`_tile_stream_loadd`, a hint that they
 // will not be reused soon): they then stay out of L1, which keeps x's 32 rows there instead.
-template <int MB, bool Silu, bool StreamW = false, class Ready, class Pending = NoPending>
+template <int MB, bool Silu, bool StreamW = false, class Ready>
 inline void amx_pair(const uint16_t* x0, const uint16_t* x1, const uint16_t* w0,
-                     const uint16_t* w1, uint16_t* y, int64_t m, int64_t k, int64_t n, int64_t nb,
-                     float* c, const char* pf, int64_t pf_lines, const Ready& ready,
-                     const Pending& pending = {}) {
+                     const uint16_t* w1, int64_t k, float* c, const char* pf, int64_t pf_lines,
+                     const Ready& ready, const PairStore<Silu>& pending) {
   _tile_zero(0);
   _tile_zero(2);
   if (MB > 1) { _tile_zero(1); _tile_zero(3); }
@@ -142,9 +135,6 @@ inline void amx_pair(const uint16_t* x0, const uint16_t* x1, const uint16_t* w0,
   _tile_stored(0, c, 64);
   _tile_stored(2, c + 256, 64);
   if (MB > 1) { _tile_stored(1, c + 512, 64); _tile_stored(3, c + 768, 64); }
-  // With a pending store the next pair converts these (the caller hands it on).
-  if constexpr (std::is_same_v<Pending, NoPending>)
-    PairStore<Silu>{c, y, std::min<int64_t>(32, m), n, nb}.rows_between(0, 32);
 }
 
 // Rows of x per pass over the weights: they stay in L2 while every output block of the thread's
@@ -181,17 +171,22 @@ constexpr int64_t kAmxGroupBytes = 512 << 10;
 // 11.7 -> 10.9 ms, 48 rows 13.6 -> 12.7, 64 rows 14.7 -> 14.2, 128 rows 21.6 -> 20.9; W64
 // in-process 2.88-2.95 -> 2.76-2.82 s. At 1-16 rows (one row tile, the stream already at the
 // memory's pace) it cost 1-6%, so it is left out there.
+//
+// In both orders each pair's stores run during the next pair's tile products (PairStore). All
+// 120 projections of SmolLM2, ms, medians of 10 in turns, stores at once / during the next pair:
+// bfloat16 pairs at 16 / 48 / 64 rows 14.6-16.1 / 16.7-17.6 / 18.0-18.8 against 13.7-15.0 /
+// 15.4-15.8 / 15.9-18.8 (32 rows 12.7-18.0 against 13.9-17.2: within the noise); the levels at
+// 1 / 4 / 16 rows 10.74 / 10.34 / 12.11 against 10.30 / 10.18 / 11.83 (32 rows 15.6 / 16.1).
 template <bool Silu, class Source>
 void amx_linear_blocks(const uint16_t* x, const uint16_t* tail, const Source& src, uint16_t* y,
                        int64_t m, int64_t k, int64_t n, int64_t begin, int64_t end) {
   static const TileConfig config;
   _tile_loadconfig(&config);
   const int64_t kt = k / 32;
-  alignas(64) float c[4 * 16 * 16];
   const auto rows = [&](int64_t r) { return r + 16 <= m ? x + r * k : tail; };
+  alignas(64) float stored[2][4 * 16 * 16];  // the pending pair's accumulators, and the next's
   if (m > kAmxRowsOuterAbove && k <= kAmxRowsOuterMaxK) {  // the turned-over order (above)
     const int64_t group = std::max<int64_t>(2, kAmxGroupBytes / (kt * 2048) * 2);  // blocks
-    alignas(64) float stored[2][4 * 16 * 16];  // the pending pair's accumulators, and the next's
     for (int64_t g0 = begin; g0 < end; g0 += group) {
       const int64_t g1 = std::min(end, g0 + group);
       for (int64_t r = 0; r < m; r += 32) {
@@ -201,11 +196,11 @@ void amx_linear_blocks(const uint16_t* x, const uint16_t* tail, const Source& sr
           const auto ready = [&](int64_t j) { src.ready(nb, j); };
           float* cs = stored[(nb - g0) / 2 % 2];
           if (m - r > 16)
-            amx_pair<2, Silu, true>(rows(r), rows(r + 16), w0, w0 + kt * 512, y + r * n,
-                                    m - r, k, n, nb, cs, nullptr, 0, ready, pending);
+            amx_pair<2, Silu, true>(rows(r), rows(r + 16), w0, w0 + kt * 512, k, cs, nullptr,
+                                    0, ready, pending);
           else
-            amx_pair<1, Silu, true>(rows(r), nullptr, w0, w0 + kt * 512, y + r * n, m - r, k,
-                                    n, nb, cs, nullptr, 0, ready, pending);
+            amx_pair<1, Silu, true>(rows(r), nullptr, w0, w0 + kt * 512, k, cs, nullptr, 0,
+                                    ready, pending);
           pending = {cs, y + r * n, std::min<int64_t>(32, m - r), n, nb};
         }
         pending.rows_between(0, 32);
@@ -214,6 +209,8 @@ void amx_linear_blocks(const uint16_t* x, const uint16_t* tail, const Source& sr
     _tile_release();
     return;
   }
+  PairStore<Silu> pending;
+  int64_t calls = 0;
   for (int64_t m0 = 0; m0 < m; m0 += kAmxRowBlock) {  // these rows of x stay in cache
     const int64_t m1 = std::min(m, m0 + kAmxRowBlock);
     const int64_t tiles = (m1 - m0 + 31) / 32;
@@ -225,16 +222,19 @@ void amx_linear_blocks(const uint16_t* x, const uint16_t* tail, const Source& sr
         const int64_t lines = pf ? share(src.next_lines(), tiles, t) : 0;
         // The pair's weight tiles are made ready for the first row tile; the others reuse them.
         const auto ready = [&, first = r == m0](int64_t j) { if (first) src.ready(nb, j); };
+        float* cs = stored[calls++ % 2];
         if (m - r > 16)
-          amx_pair<2, Silu>(rows(r), rows(r + 16), w0, w0 + kt * 512, y + r * n, m - r, k, n,
-                            nb, c, pf, lines, ready);
+          amx_pair<2, Silu>(rows(r), rows(r + 16), w0, w0 + kt * 512, k, cs, pf, lines, ready,
+                            pending);
         else
-          amx_pair<1, Silu>(rows(r), nullptr, w0, w0 + kt * 512, y + r * n, m - r, k, n, nb,
-                            c, pf, lines, ready);
+          amx_pair<1, Silu>(rows(r), nullptr, w0, w0 + kt * 512, k, cs, pf, lines, ready,
+                            pending);
+        pending = {cs, y + r * n, std::min<int64_t>(32, m - r), n, nb};
         if (pf) pf += 64 * lines;
       }
     }
   }
+  pending.rows_between(0, 32);
   _tile_release();
 }
 
