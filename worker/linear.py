@@ -505,10 +505,10 @@ class Linear:
             `shoal::f32_linear`; out_features and in_features multiples of 32), int4 at every
             size, float32 or bfloat16, through `shoal::int4_q8_linear` where it is built (not
             on AMX CPUs), and serve bfloat16 iterations of up to AMX_MAX_ROWS rows (a gate/up
-            weight: AMX_SWIGLU_MAX_ROWS, every size) on AMX tiles where the CPU has them, else
-            of up to `dp_max_rows` rows with AVX512_BF16 (out_features and in_features
-            multiples of 32; a packed copy of the weight, the only one kept when it serves
-            every size).
+            weight, or one of at most AMX_NARROW_MAX_K inputs: every size) on AMX tiles where the
+            CPU has them, else of up to `dp_max_rows` rows with AVX512_BF16 (out_features and
+            in_features multiples of 32; a packed copy of the weight, the only one kept when it
+            serves every size).
         dp_max_rows: the most rows `shoal::dp_linear` serves (DP_MAX_ROWS: all; the LM head
             takes LM_HEAD_DP_MAX_ROWS).
         swiglu: the weight is a fused `[gate; up]` (`[2 * intermediate, in]`, intermediate a
@@ -676,8 +676,7 @@ class Linear:
         if x.shape[0] <= self.q4_max_rows:
             if self.q4_lanes:
                 return torch.ops.shoal.q4_lanes_linear(x, self.q4)
-            y = (torch.ops.shoal.q4_amx_linear(x, self.q4) if self.amx
-                 else torch.ops.shoal.q4_linear(x, self.q4, False))
+            y = self._levels(x, silu_and_mul=False)
             return swiglu_deinterleave(y) if self.swiglu_pairs else y
         if x.shape[0] <= self.max_quantized_rows:
             if self.vnni:
@@ -691,8 +690,7 @@ class Linear:
         if self.uses_w8a8(x.shape[0]):
             return self._w8a8(x, silu_and_mul=False)
         if x.shape[0] <= self.pairs_max_rows:
-            y = (torch.ops.shoal.amx_linear(x, self.pairs) if self.amx
-                 else torch.ops.shoal.dp_linear(x, self.pairs))
+            y = self._pairs(x, silu_and_mul=False)
             return swiglu_deinterleave(y) if self.swiglu_pairs else y
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [None], "")
@@ -709,14 +707,24 @@ class Linear:
         if self.uses_w8a8(rows):
             return self._w8a8(x, silu_and_mul=True)
         if self.swiglu_pairs and rows <= self.q4_max_rows:
-            if self.amx:
-                return torch.ops.shoal.q4_amx_linear(x, self.q4, True)
-            return torch.ops.shoal.q4_linear(x, self.q4, True)
+            return self._levels(x, silu_and_mul=True)
         if self.swiglu_pairs and self.max_quantized_rows < rows <= self.pairs_max_rows:
-            if self.amx:
-                return torch.ops.shoal.amx_linear(x, self.pairs, True)
-            return torch.ops.shoal.dp_linear_silu(x, self.pairs)
+            return self._pairs(x, silu_and_mul=True)
         return ops.silu_and_mul(self(x), self.kernels)
+
+    def _levels(self, x: torch.Tensor, silu_and_mul: bool) -> torch.Tensor:
+        """The bfloat16 kernel over the 4-bit levels: q4_amx_linear on AMX, else q4_linear."""
+        op = torch.ops.shoal.q4_amx_linear if self.amx else torch.ops.shoal.q4_linear
+        return op(x, self.q4, silu_and_mul)
+
+    def _pairs(self, x: torch.Tensor, silu_and_mul: bool) -> torch.Tensor:
+        """The bfloat16 kernel over the packed pairs: amx_linear on AMX, else dp_linear (its
+        SwiGLU form dp_linear_silu)."""
+        if self.amx:
+            return torch.ops.shoal.amx_linear(x, self.pairs, silu_and_mul)
+        if silu_and_mul:
+            return torch.ops.shoal.dp_linear_silu(x, self.pairs)
+        return torch.ops.shoal.dp_linear(x, self.pairs)
 
     def stack_operand(self, rows: int) -> torch.Tensor | None:
         """The packed weight `shoal::decode_stack` reads for an iteration of `rows` rows, where

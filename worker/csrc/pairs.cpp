@@ -144,10 +144,12 @@ constexpr int64_t kAmxRowBlock = 256;
 // Past this many rows, when 32 rows of x fit in L1 beside the tiles' traffic (K <= 640: 40 KB of
 // L1's 48), the order turns over: 32 rows at a time against a group of the thread's pairs (at
 // most kAmxGroupBytes of weights, which stay in L2), the weights streamed past L1 (tileloaddt1)
-// so that the rows stay there. Here a tile load from L2 ran at about a third of its pace from L1
-// (26 against 80 bytes/ns on 64-byte aligned tiles), and in the order above each pair's weights
-// and the row tiles cycled through L1 together, so both came from L2 every step. SmolLM2's 30
-// layers at 2,048 rows, ms, in turns (medians of 8; old order / turned over / oneDNN): gate/up
+// so that the rows stay there (in the order above each pair's 36 KB of weights and 36 KB of row
+// tiles cycle through L1's 48 KB together). Why the old order loses is not pinned down: in a
+// standalone loop of the 2 x 2 step, 64-byte aligned weight tiles cycling through 256 KB-1 MB
+// (L2) fed it at 2.4-2.6 TFLOP/s a core, as from L1; rows outer, weights through tileloaddt1
+// rather than tileloadd ran at 1.40 against 1.10 (the old order 1.00-1.06). SmolLM2's 30 layers
+// at 2,048 rows, ms, in turns (medians of 8; old order / turned over / oneDNN): gate/up
 // with SwiGLU 134 / 104-113 / -, QKV 32.7 / 26.5 / 31.3, O 21.2 / 16.6 / 18.8. Down (K = 1,536)
 // keeps the order above. At 64 rows the turned order lost (gate/up 12.3 / 19.9: a step's
 // weights come from DRAM, twice). Its stores wait for the next pair (PairStore::step): 30 gate/up
