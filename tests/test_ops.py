@@ -271,6 +271,22 @@ def test_topk_rows(dtype):
     assert torch.equal(ops.topk_rows(x, 1, kernels=True)[0][:, 0], x.float().max(dim=-1).values)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_candidate_logits(dtype):
+    g = torch.Generator().manual_seed(11)
+    weight = torch.randn(3000, 72, generator=g).to(dtype)  # 72: a partial 16-lane tail
+    h = torch.randn(9, 72, generator=g)
+    idx = torch.randint(0, 3000, (9, 40), generator=g)
+    out = ops.candidate_logits(h, weight, idx, kernels=True)
+    exact = torch.einsum("rd,rkd->rk", h.double(), weight.double()[idx])
+    torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5)
+    # A row's values do not depend on the other rows or on how many candidates it has.
+    one = ops.candidate_logits(h[4:5].contiguous(), weight, idx[4:5, :7].contiguous(), True)
+    assert torch.equal(one, out[4:5, :7])
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.candidate_logits(h, weight, idx.clone().fill_(3000), kernels=True)
+
+
 @pytest.mark.parametrize("dtype,bound", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
 def test_packed_linear_matches_f_linear(dtype, bound):
     g = torch.Generator().manual_seed(7)

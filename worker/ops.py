@@ -210,6 +210,33 @@ def topk_rows(x: torch.Tensor, k: int, kernels: bool) -> tuple[torch.Tensor, tor
     return values, indices
 
 
+def candidate_logits(h: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor,
+                     kernels: bool) -> torch.Tensor:
+    """Each row's candidates' logits, recomputed exactly: `out[r, j] = h[r] . weight[idx[r, j]]`
+    in float32 (the weight's rows widened exactly).
+
+    Args:
+        h: `[rows, hidden]` float32 (contiguous for the kernel).
+        weight: `[vocab, hidden]` float32 or bfloat16, the LM head.
+        idx: `[rows, k]` int64 row indices of `weight`.
+
+    Returns:
+        `[rows, k]` float32. The kernel's sums run in a fixed order, so a row's values do not
+        depend on the other rows or on k; the reference's follow torch's matmul.
+
+    Raises:
+        RuntimeError: an index out of range.
+    """
+    if kernels:
+        return torch.ops.shoal.candidate_logits(h, weight, idx)
+    return candidate_logits_reference(h, weight, idx)
+
+
+def candidate_logits_reference(h, weight, idx):
+    rows = weight.index_select(0, idx.view(-1)).view(*idx.shape, -1)
+    return torch.einsum("rd,rkd->rk", h, rows.float())
+
+
 def rope_rotate(x: torch.Tensor, delta: int, cos_sin: torch.Tensor) -> torch.Tensor:
     """Rotate keys that carry RoPE at positions p so they carry it at p + delta (delta may be
     negative): `K' = R(delta * theta) K` per frequency, the "rotate half" layout as in `rope_`.

@@ -47,6 +47,7 @@ TORCH_LIBRARY(shoal, m) {
   m.def("dequantize_rows(Tensor acc, Tensor row_scale, Tensor col_scale, bool silu_and_mul, "
         "ScalarType out_dtype) -> Tensor");
   m.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
+  m.def("candidate_logits(Tensor h, Tensor weight, Tensor idx) -> Tensor");
   m.def("rope_(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, int num_heads, int head_dim) -> ()");
   m.def("attend_qkv(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, Tensor(b!) k_pool, "
         "Tensor(c!) v_pool, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
@@ -93,6 +94,7 @@ TORCH_LIBRARY_IMPL(shoal, CPU, m) {
 #endif
   m.impl("dequantize_rows", &dequantize_rows);
   m.impl("topk_rows", &topk_rows);
+  m.impl("candidate_logits", &candidate_logits);
   m.impl("rope_", &rope_);
   m.impl("attend_qkv", &attend_qkv);
 #if defined(SHOAL_LANES) || defined(SHOAL_BF16_PAIRS)

@@ -50,6 +50,7 @@ Tensor int4_q8_linear(const Tensor& x, const Tensor& w, const Tensor& scale_min)
 
 // topk.cpp
 std::tuple<Tensor, Tensor> topk_rows(const Tensor& x, int64_t k);
+Tensor candidate_logits(const Tensor& h, const Tensor& weight, const Tensor& idx);
 
 // pairs.cpp
 #ifdef SHOAL_BF16_PAIRS
