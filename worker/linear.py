@@ -221,7 +221,10 @@ DP_MAX_ROWS = sys.maxsize
 # shoal::q4_linear (GGUF's 4-bit levels, dp_linear's bits) beats dp_linear up to here: all 120
 # SmolLM2 projections, 2-core Zen 4, ms (runs interleaved in one process; this host's speed
 # moved 1.5x within the hour): 1 row 7.9-9.7 against 4.3-5.0; 4 rows 10.0 / 7.2; 5 rows 10.7 /
-# 7.6; 8 rows 11.5 / 9.1; 9 rows (two tiles) 11.9 / 11.7; 12 rows 13.2 / 14.4.
+# 7.6; 8 rows 11.5 / 9.1; 9 rows (two tiles) 11.9 / 11.7; 12 rows 13.2 / 14.4. Since each tile
+# asks for the next one's levels ahead (session 27, 2-core Zen 5, dp_linear / q4_linear): 1 row
+# 3.95 / 2.53, 4 rows 4.20 / 3.12, 8 rows 5.01 / 4.17, 10 rows (two tiles) 5.50 / 5.93, 16 rows
+# 5.35 / 7.27.
 Q4_MAX_ROWS = 8
 # shoal::q4_lanes_linear (float32 serving, f32_linear's bits) beats f32_linear up to here: all
 # 120 SmolLM2 projections, 2-core Zen 4 (AVX-512), ms for 1 / 2 / 4 / 8 / 16 / 32 / 48 / 64 rows:
