@@ -676,28 +676,25 @@ void q4_linear_run(const char* x, const char* w, int64_t m, int64_t row_bytes, i
   const int64_t tiles = blocks / NR, rest = (blocks - tiles * NR) / 2;
   const int64_t per_item = std::max<int64_t>(1, tiles / (threads * kDpItemsPerThread));
   const int64_t items = (tiles + per_item - 1) / per_item;
-  // The first block of item `item` (of `items + rest`) and its width in blocks.
+  // Item `item` (of `items + rest`) starts at this block with a tile of this many blocks.
   auto first_block = [&](int64_t item) {
     return item < items ? item * per_item * NR : tiles * NR + 2 * (item - items);
   };
-  auto width = [&](int64_t item) {
-    return item < items ? (std::min(tiles, (item + 1) * per_item) - item * per_item) * NR : 2;
-  };
+  auto first_tile = [&](int64_t item) { return item < items ? NR : 2; };
   run_items(items + rest, threads, [&](int64_t item, int64_t next) {
+    // What the item's last tile asks for: the first tile of the thread's next item.
     const char* after = next < items + rest ? w + first_block(next) * block_bytes : nullptr;
-    const int64_t after_lines = next < items + rest ? width(next) * block_bytes / 64 : 0;
+    const int64_t after_lines = next < items + rest ? first_tile(next) * block_bytes / 64 : 0;
     if (item >= items) {  // a tile of the last 2 blocks
       q4_linear_rows<MR, 2>(x, w, m, row_bytes, first_block(item), after, after_lines, store);
       return;
     }
     for (int64_t t = item * per_item, end = std::min(tiles, t + per_item); t < end; ++t) {
-      // The next tile of this item, else the start of the thread's next item (of any width:
-      // its first tile's share asked for here, the rest as that item runs).
-      const bool last = t + 1 == end;
-      q4_linear_rows<MR, NR>(x, w, m, row_bytes, t * NR,
-                             last ? after : w + (t + 1) * NR * block_bytes,
-                             last ? std::min(after_lines, NR * block_bytes / 64) : NR * block_bytes / 64,
-                             store);
+      if (t + 1 == end)
+        q4_linear_rows<MR, NR>(x, w, m, row_bytes, t * NR, after, after_lines, store);
+      else
+        q4_linear_rows<MR, NR>(x, w, m, row_bytes, t * NR, w + (t + 1) * NR * block_bytes,
+                               NR * block_bytes / 64, store);
     }
   });
 }
