@@ -144,14 +144,17 @@ class LlamaModel:
         self.dtype = weights["model.embed_tokens.weight"].dtype
         self.kernels = fast_paths and self.device.type == "cpu" and ops.kernels_enabled(self.dtype)
         self.attention = make_backend(attention_backend, self.device, self.kernels)
-        # On 2 MiB pages: the embedding lookups and compute_logits' exact recomputation read rows
-        # of it anywhere in its 56 MB (SmolLM2), a TLB miss each on 4 KiB pages (64 rows' 64
-        # candidates each: 0.40 -> 0.27 ms, 2-core Zen 5).
-        self.embed = on_huge_pages(weights["model.embed_tokens.weight"])
+        self.embed = weights["model.embed_tokens.weight"]
         self.norm = weights["model.norm.weight"].float()
         # The plain LM head weight serves the exact recomputation of each row's best logits
-        # (compute_logits); the projection itself may run on a packed or quantized copy.
-        self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        # (compute_logits); the projection itself may run on a packed or quantized copy. That
+        # recomputation reads candidates' rows anywhere in it (56 MB for SmolLM2), a TLB miss
+        # each on 4 KiB pages, so it lies on 2 MiB pages: 64 rows' 64 candidates 0.40 -> 0.27 ms
+        # (2-core Zen 5). A tied head is the embedding: the one copy serves both.
+        self.lm_head = on_huge_pages(self.embed if cfg.tie_word_embeddings
+                                     else weights["lm_head.weight"])
+        if cfg.tie_word_embeddings:
+            self.embed = self.lm_head
         # Under int4 the LM head takes int8: SmolLM2 ships its tied embedding as Q8_0, and a 4-bit
         # LM head cost 1% of perplexity (docs/engine.md). Its int8 activations in small iterations
         # (shoal::int8_gemv) cost no greedy token: the refinement below recomputes the best ones.
