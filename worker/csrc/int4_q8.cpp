@@ -115,6 +115,14 @@ void int4_q8_rows_vnni(const int8_t* x8, const float* d, const float* x_sum, con
 }
 #endif
 
+// Each 8-channel group's work first asks for the levels and the scales of the group this many
+// ahead (into L2): the hardware prefetcher alone kept the stream at half the memory's pace. The
+// int4 LM-head screen (SmolLM2's [49152, 576], out of cache, 2-core Xeon with AMX, in turns in one
+// process): 1 row 1.29 ms without, 1.01 / 0.99 / 1.04 / 1.01 / 0.96 with 1 / 2 / 4 / 8 / 16 groups
+// ahead (medians of 30); with 2, at 1 / 4 / 8 / 16 / 64 rows 1.46 / 1.65 / 2.12 / 3.33 / 11.6 ->
+// 1.14 / 1.44 / 1.87 / 3.04 / 10.6 (medians of 20).
+constexpr int64_t kQ8PrefetchGroups = 2;
+
 Tensor int4_q8_linear(const Tensor& x, const Tensor& w, const Tensor& scale_min) {
   TORCH_CHECK(w.dim() == 5 && w.size(2) == 4 && w.size(3) == 8 && w.size(4) == 4 &&
                   w.scalar_type() == at::kByte,
@@ -153,27 +161,40 @@ Tensor int4_q8_linear(const Tensor& x, const Tensor& w, const Tensor& scale_min)
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const uint16_t* smp = static_cast<const uint16_t*>(scale_min.data_ptr());
   float* yp = y.data_ptr<float>();
+  // Group g's levels (nb * 128 bytes) and scales (nb * 32), asked for into L2, where g < end.
+  const auto prefetch_group = [&](int64_t g, int64_t end) {
+    if (g >= end) return;
+    const char* levels = reinterpret_cast<const char*>(wp + g * nb * 128);
+    for (int64_t l = 0; l < nb * 2; ++l) __builtin_prefetch(levels + 64 * l, 0, 2);
+    const char* scales = reinterpret_cast<const char*>(smp + g * nb * 16);
+    for (int64_t l = 0; l < (nb + 1) / 2; ++l) __builtin_prefetch(scales + 64 * l, 0, 2);
+  };
 #ifdef SHOAL_INT4_Q8_VNNI
   if (n % 16 == 0 && m > kQ8Rows) {  // pairs of 8-channel groups (fewer rows: see above)
     at::parallel_for(0, n / 16, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t pair = begin; pair < end; ++pair)
+      for (int64_t pair = begin; pair < end; ++pair) {
+        prefetch_group(2 * (pair + kQ8PrefetchGroups), 2 * end);
+        prefetch_group(2 * (pair + kQ8PrefetchGroups) + 1, 2 * end);
         for (int64_t i0 = 0; i0 < m; i0 += kQ8VnniRows)
           with_row_count<kQ8VnniRows>(std::min<int64_t>(m - i0, kQ8VnniRows), [&](auto rows) {
             int4_q8_rows_vnni<decltype(rows)::value>(x8.data() + i0 * k, d.data() + i0 * nb,
                                                      x_sum.data() + i0 * nb, wp, smp,
                                                      yp + i0 * n, k, n, 2 * pair);
           });
+      }
     });
     return y.to(x.scalar_type());
   }
 #endif
   at::parallel_for(0, n / 8, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
+    for (int64_t g = begin; g < end; ++g) {
+      prefetch_group(g + kQ8PrefetchGroups, end);
       for (int64_t i0 = 0; i0 < m; i0 += kQ8Rows)
         with_row_count<kQ8Rows>(std::min<int64_t>(m - i0, kQ8Rows), [&](auto rows) {
           int4_q8_rows<decltype(rows)::value>(x8.data() + i0 * k, d.data() + i0 * nb,
                                                x_sum.data() + i0 * nb, wp, smp, yp + i0 * n, k, n, g);
         });
+    }
   });
   return y.to(x.scalar_type());
 }
