@@ -261,14 +261,31 @@ def test_attend_qkv_is_rope_write_kv_and_paged_attention(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_topk_rows(dtype):
+@pytest.mark.parametrize("width,k", [(5000, 8), (49152, 128), (49152, 64), (130, 64), (1000, 1)])
+def test_topk_rows(dtype, width, k):
+    """The k largest of each row in descending order, equal values by lower column: rows of a
+    vocabulary's width (the kernel then reads only the chunks whose maximum reaches the k-th
+    largest chunk maximum) and rows of fewer chunks than k (every entry read)."""
     g = torch.Generator().manual_seed(6)
-    x = torch.randn(7, 5000, generator=g).to(dtype)
-    values, indices = ops.topk_rows(x, 8, kernels=True)
-    ref_values, _ = x.float().topk(8, dim=-1)
-    assert torch.equal(values, ref_values)
-    assert torch.equal(x.float().gather(1, indices), values)  # the indices point at the values
+    x = torch.randn(7, width, generator=g).to(dtype)
+    x[:, ::5] = x[:, 2:3]  # ties, some among the best
+    x[1] = x[1].abs().neg()  # a row of negative logits
+    values, indices = ops.topk_rows(x, k, kernels=True)
+    ref_values, ref_indices = x.float().sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(values, ref_values[:, :k])
+    assert torch.equal(indices, ref_indices[:, :k])
     assert torch.equal(ops.topk_rows(x, 1, kernels=True)[0][:, 0], x.float().max(dim=-1).values)
+
+
+def test_topk_rows_of_masked_logits():
+    """Logits masked to -inf (a logit bias) rank below every finite one; fewer finite entries
+    than k leave -inf values behind the finite ones, each a real column."""
+    x = torch.full((2, 49152), float("-inf"))
+    x[0, 7], x[0, 40000], x[1, 123] = 1.0, 2.0, -3.0
+    values, indices = ops.topk_rows(x, 4, kernels=True)
+    assert values[0, :2].tolist() == [2.0, 1.0] and indices[0, :2].tolist() == [40000, 7]
+    assert values[1, 0] == -3.0 and indices[1, 0] == 123
+    assert torch.isneginf(values[:, 2:]).all() and indices[1, 1:].tolist() == [0, 1, 2]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

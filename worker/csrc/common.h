@@ -13,6 +13,7 @@
 #include <cstring>
 #include <type_traits>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <tuple>
 #include <utility>
