@@ -13,7 +13,6 @@
 #include <cstring>
 #include <type_traits>
 #include <cmath>
-#include <functional>
 #include <limits>
 #include <tuple>
 #include <utility>
