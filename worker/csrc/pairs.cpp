@@ -600,8 +600,8 @@ inline Q4Scales q4_scales(const char* group) {
 
 // The 32 bfloat16 weights of one step (16 channels x a pair of inputs) from its 16 bytes. With
 // Table, each level's float is read from a register holding 0-15 (vpermps takes an index's low 4
-// bits, so the low nibble needs no mask) instead of converted: the same floats in one operation
-// fewer, off the port that conversions and shifts share on Intel cores. q4_amx_linear, where the
+// bits, so the low nibble needs no mask) instead of converted: the same floats in one vector
+// operation fewer (two permutes for a mask and two conversions). q4_amx_linear, where the
 // rebuild bounds the kernel: SmolLM2's 120 projections out of cache at 1 / 4 / 16 / 32 rows, 2-core
 // Xeon with AMX, in turns in one process (medians of 16, two rounds): 8.02 / 8.28 / 8.24 / 9.80
 // -> 7.47 / 7.70 / 7.60 / 8.83 ms and 9.80 / 9.76 / 9.11 / 14.69 -> 9.55 / 9.42 / 8.78 / 14.56.
