@@ -229,10 +229,6 @@ def candidate_logits(h: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor,
     """
     if kernels:
         return torch.ops.shoal.candidate_logits(h, weight, idx)
-    return candidate_logits_reference(h, weight, idx)
-
-
-def candidate_logits_reference(h, weight, idx):
     rows = weight.index_select(0, idx.view(-1)).view(*idx.shape, -1)
     return torch.einsum("rd,rkd->rk", h, rows.float())
 
