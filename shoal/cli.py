@@ -139,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--seed", type=int, default=0)
     _add_shared_prefix_arg(be)
     _add_bench_sampling_args(be)
+    bf = bsub.add_parser("fleet", help="W64 through a fleet (as shoal up) against the same engine "
+                                       "in-process, in turns: the fleet's share")
+    _add_engine_args(bf)
+    bf.add_argument("--rounds", type=_positive_int, default=5,
+                    help="runs on each side, in turns; the medians are reported (default 5)")
+    bf.add_argument("--quick", action="store_true", help="W64-quick (figures not meaningful)")
+    bf.add_argument("--seed", type=int, default=0)
+    bf.add_argument("--output", default="bench-results/fleet.json", help="JSON file for the figures")
     w = sub.add_parser("worker", help="a worker process: runs iterations planned by the scheduler")
     _add_engine_args(w)
     w.add_argument("--redis-url", required=True)
@@ -313,6 +321,25 @@ def _bench_sampling(args: argparse.Namespace) -> tuple[float, float]:
     return args.temperature, args.top_p
 
 
+def _engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags of `args` that differ from their defaults, as a `shoal worker` command
+    line: a worker started with them runs the engine `_engine_config(args)` describes."""
+    p = argparse.ArgumentParser(add_help=False)
+    _add_engine_args(p)
+    argv: list[str] = []
+    for action in p._actions:
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(action.option_strings[0 if value else 1])
+        elif action.nargs == 0:  # store_true
+            argv.append(action.option_strings[0])
+        else:
+            argv += [action.option_strings[0], str(value)]
+    return argv
+
+
 def _engine_config(args: argparse.Namespace):
     from worker.config import EngineConfig, SpeculativeConfig, resolve_dtype
 
@@ -425,6 +452,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "serve":
         return _cmd_bench_serve(args)
+    if args.bench == "fleet":
+        return _cmd_bench_fleet(args)
     if args.bench == "infinite":
         from shoal.model_files import resolve_model_path
         from worker.bench import run_infinite_bench
@@ -463,6 +492,32 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                          baseline=not args.no_baseline, output=args.output, seed=args.seed,
                          rounds=args.rounds, temperature=temperature, top_p=top_p,
                          shared_prefix=args.shared_prefix)
+    return 0
+
+
+def _cmd_bench_fleet(args: argparse.Namespace) -> int:
+    from shoal.fleet import worker_env
+
+    # The in-process engine gets the OpenMP environment a fleet worker gets (before torch loads
+    # libgomp, which reads it once), so that the two sides differ only by the fleet.
+    for key, value in worker_env(args.threads).items():
+        if key.startswith(("GOMP_", "OMP_")):
+            os.environ.setdefault(key, value)
+    from shoal.model_files import resolve_model_path
+    from shoal.process import keep_freed_memory
+
+    cfg = _engine_config(args)
+    path = resolve_model_path(args.model)
+    _set_threads(args)
+    keep_freed_memory()  # as a worker runs (see _cmd_worker)
+    from worker.bench_fleet import run_fleet_bench
+
+    with _engine(path, cfg, args) as (engine, _):
+        try:
+            run_fleet_bench(engine, _engine_argv(args), args.threads, args.rounds, args.quick,
+                            args.seed, args.output)
+        except (RuntimeError, FileNotFoundError) as e:
+            raise CLIError(str(e)) from e
     return 0
 
 

@@ -17,7 +17,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 
 def free_port() -> int:
@@ -118,16 +120,92 @@ def stop_all(procs: list[subprocess.Popen], timeout_s: float = 20.0) -> None:
             p.wait()
 
 
+@dataclass
+class Fleet:
+    """A fleet started by `start_fleet`: its gateway's URL and its processes."""
+
+    url: str
+    redis_url: str
+    scheduler: subprocess.Popen
+    workers: list[subprocess.Popen]
+    gateway: subprocess.Popen
+    others: list[subprocess.Popen] = field(default_factory=list)  # the jobs worker
+    redis: subprocess.Popen | None = None  # the embedded Redis, when the fleet started one
+
+    @property
+    def procs(self) -> list[subprocess.Popen]:
+        """Every process but Redis, in the order they started."""
+        return [self.scheduler, *self.workers, self.gateway, *self.others]
+
+    def exited(self) -> bool:
+        """Some process of the fleet (Redis included) has ended."""
+        return any(p.poll() is not None for p in self.procs + ([self.redis] if self.redis else []))
+
+    def stop(self) -> None:
+        """Stop every process (workers drain and deregister through Redis: Redis goes last)."""
+        stop_all(self.procs)
+        if self.redis is not None:
+            stop_all([self.redis])
+
+
+def start_fleet(host: str, port: int, workers: int, redis_url: str | None,
+                worker_args: list[str], threads: int | None, metrics_port_base: int = 9400,
+                jobs: bool = False, policy: str = "reserve", ready_timeout_s: float = 180,
+                log: IO | None = None) -> Fleet:
+    """Start Redis (unless `redis_url` names one), the scheduler, `workers` workers (each with
+    `worker_args`, the engine's flags, and `worker_env(threads)`) and the gateway on
+    `host:port`, plus a Celery worker with `jobs`; return once the gateway's /readyz answers.
+    The scheduler exports metrics on `metrics_port_base`, worker i on `metrics_port_base + 1 + i`
+    (0 turns them off). The processes write their logs to `log` (a file), else to this
+    process's stdout and stderr.
+
+    Raises:
+        RuntimeError: a process exited, or the fleet was not ready within `ready_timeout_s`
+            seconds; what had started is stopped.
+        FileNotFoundError: no redis-server to start.
+    """
+    started: list[subprocess.Popen] = []
+    redis_proc: subprocess.Popen | None = None
+    try:
+        if redis_url is None:
+            rport = free_port()
+            redis_proc = start_redis(rport)
+            redis_url = f"redis://127.0.0.1:{rport}/0"
+
+        def mport(i: int) -> str:
+            return str(metrics_port_base + i if metrics_port_base else 0)
+
+        def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+            started.append(subprocess.Popen(shoal_command(*args), env=env, stdout=log,
+                                            stderr=subprocess.STDOUT if log else None))
+            return started[-1]
+
+        scheduler = start("scheduler", "--redis-url", redis_url, "--metrics-port", mport(0),
+                          "--policy", policy)
+        worker_procs = [start("worker", "--redis-url", redis_url, "--worker-id", f"worker-{i}",
+                              "--metrics-port", mport(1 + i), *worker_args,
+                              env=worker_env(threads))
+                        for i in range(workers)]
+        model_args = [a for i, a in enumerate(worker_args)
+                      if a == "--model" or (i and worker_args[i - 1] == "--model")]
+        gateway = start("gateway", "--redis-url", redis_url, "--host", host, "--port", str(port),
+                        *model_args)
+        url = f"http://{host}:{port}"
+        others = [start("jobs", "worker", "--redis-url", redis_url, "--gateway-url", url)] if jobs else []
+        fleet = Fleet(url, redis_url, scheduler, worker_procs, gateway, others, redis_proc)
+        wait_ready(url, started + ([redis_proc] if redis_proc else []), ready_timeout_s)
+        return fleet
+    except BaseException:
+        stop_all(started)
+        if redis_proc is not None:
+            stop_all([redis_proc])
+        raise
+
+
 def up(host: str, port: int, workers: int, redis_url: str | None, worker_args: list[str],
        threads: int | None, metrics_port_base: int = 9400, jobs: bool = False,
        policy: str = "reserve") -> int:
-    """Run the fleet until Ctrl-C / SIGTERM. The scheduler exports metrics on
-    `metrics_port_base`, worker i on `metrics_port_base + 1 + i` (0 turns them off); the gateway
-    on its own HTTP port. With `jobs`, a Celery worker runs batch jobs through the gateway;
-    `policy` is the scheduler's.
-    Returns the exit status."""
-    procs: list[subprocess.Popen] = []
-    redis_proc: subprocess.Popen | None = None
+    """Run the fleet (`start_fleet`) until Ctrl-C / SIGTERM. Returns the exit status."""
     stopping = False
 
     def _stop(*_: object) -> None:
@@ -136,41 +214,20 @@ def up(host: str, port: int, workers: int, redis_url: str | None, worker_args: l
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    fleet = start_fleet(host, port, workers, redis_url, worker_args, threads, metrics_port_base,
+                        jobs, policy)
     try:
-        if redis_url is None:
-            rport = free_port()
-            redis_proc = start_redis(rport)
-            redis_url = f"redis://127.0.0.1:{rport}/0"
-        def mport(i: int) -> str:
-            return str(metrics_port_base + i if metrics_port_base else 0)
-
-        procs.append(subprocess.Popen(shoal_command("scheduler", "--redis-url", redis_url,
-                                             "--metrics-port", mport(0), "--policy", policy)))
-        for i in range(workers):
-            procs.append(subprocess.Popen(
-                shoal_command("worker", "--redis-url", redis_url, "--worker-id", f"worker-{i}",
-                       "--metrics-port", mport(1 + i), *worker_args),
-                env=worker_env(threads)))
-        model_args = [a for i, a in enumerate(worker_args)
-                      if a == "--model" or (i and worker_args[i - 1] == "--model")]
-        procs.append(subprocess.Popen(shoal_command("gateway", "--redis-url", redis_url, "--host", host,
-                                             "--port", str(port), *model_args)))
-        url = f"http://{host}:{port}"
-        if jobs:
-            procs.append(subprocess.Popen(shoal_command("jobs", "worker", "--redis-url", redis_url,
-                                                        "--gateway-url", url)))
-        wait_ready(url, procs + ([redis_proc] if redis_proc else []), timeout_s=180)
-        print(f"shoal fleet ready at {url} (redis {redis_url}, {workers} workers)", flush=True)
+        print(f"shoal fleet ready at {fleet.url} (redis {fleet.redis_url}, {workers} workers)",
+              flush=True)
         if metrics_port_base:
-            print(f"metrics: gateway {url}/metrics, scheduler :{mport(0)}, workers :"
-                  + ", :".join(mport(1 + i) for i in range(workers)), flush=True)
+            print(f"metrics: gateway {fleet.url}/metrics, scheduler :{metrics_port_base}, "
+                  "workers :" + ", :".join(str(metrics_port_base + 1 + i) for i in range(workers)),
+                  flush=True)
         while not stopping:
-            if any(p.poll() is not None for p in procs + [redis_proc] if p is not None):
+            if fleet.exited():
                 print("shoal: a fleet process exited; stopping", file=sys.stderr)
                 return 1
             time.sleep(0.2)
         return 0
     finally:
-        stop_all(procs)  # workers drain and deregister through Redis: stop Redis last
-        if redis_proc is not None:
-            stop_all([redis_proc])
+        fleet.stop()

@@ -51,6 +51,8 @@ def test_bad_arguments_fail_clearly(tmp_path):
         (["bench", "serve", "--top-p", "0"], "top_p"),
         (["generate", "--speculative-config", "{", "hi"], "not JSON"),
         (["up", "--speculative-config", '{"method": "eagle"}'], "ngram"),
+        (["bench", "fleet", "--rounds", "0"], "positive integer"),
+        (["bench", "fleet", "--model", str(tmp_path / "missing.gguf")], "does not exist"),
     ]:
         r = _shoal(*args)
         assert r.returncode != 0
@@ -114,6 +116,51 @@ def test_up_hands_the_engine_flags_to_its_workers(monkeypatch):
     assert "--enforce-eager" in args and "--no-enable-prefix-caching" in args
     assert args[args.index("--dtype") + 1] == "float32"
     assert main(["up"]) == 0 and "--enforce-eager" not in seen["args"]
+
+
+def test_engine_argv_gives_a_worker_the_same_engine():
+    """`shoal bench fleet` starts its worker with the engine flags it was given: parsed by `shoal
+    worker`, they make the same engine configuration; defaults are left out."""
+    from shoal.cli import _engine_argv, _engine_config, build_parser
+
+    parser = build_parser()
+    flags = ["--dtype", "float32", "--block-size", "32", "--max-num-seqs", "8",
+             "--kv-cache-memory-fraction", "0.2", "--max-model-len", "1024", "--enforce-eager",
+             "--no-enable-prefix-caching", "--quantization", "int8",
+             "--speculative-config", '{"num_speculative_tokens": 3}']
+    args = parser.parse_args(["bench", "fleet", *flags, "--rounds", "2"])
+    argv = _engine_argv(args)
+    assert "--rounds" not in argv
+    worker = parser.parse_args(["worker", "--redis-url", "redis://x", *argv])
+    assert _engine_config(worker) == _engine_config(args)
+    assert _engine_config(worker) != _engine_config(parser.parse_args(["worker", "--redis-url", "x"]))
+    assert _engine_argv(parser.parse_args(["bench", "fleet"])) == []
+
+
+def test_bench_fleet_quick_runs_both_sides_in_turns(tmp_path):
+    """The workload in-process and through a real fleet (Redis, scheduler, worker, gateway as
+    processes), in turns: both generate every token of every request, and the share is the
+    median of the rounds' ratios."""
+    from shoal.workloads import W64_QUICK, make_requests
+
+    out = tmp_path / "fleet.json"
+    r = _shoal("bench", "fleet", "--quick", "--rounds", "2", "--output", str(out), timeout=600)
+    assert r.returncode == 0, r.stderr
+    figures = json.loads(out.read_text())
+    expected = sum(q.max_tokens for q in make_requests(W64_QUICK, 49152, 0))
+    rounds = figures["rounds"]
+    assert [x["order"] for x in rounds] == [["engine", "fleet"], ["fleet", "engine"]]
+    for x in rounds:
+        assert x["engine"]["generated_tokens"] == x["fleet"]["generated_tokens"] == expected
+        assert x["fleet_share"] == pytest.approx(
+            x["fleet"]["generated_tokens_per_s"] / x["engine"]["generated_tokens_per_s"])
+    assert figures["fleet_share"] == pytest.approx(sum(x["fleet_share"] for x in rounds) / 2)
+    cpu = figures["fleet_cpu_seconds_per_run"]
+    assert set(cpu) == {"scheduler", "worker", "gateway", "redis", "load generator"}
+    assert cpu["worker"] > 0
+    assert figures["worker_peak_rss_bytes"] > 100 << 20  # the worker holds the model
+    assert "fleet / in-process" in r.stdout
+    assert "request_finished" in out.with_suffix(".log").read_text()  # the fleet's logs
 
 
 def test_bench_engine_quick_samples_and_speculates_when_asked(tmp_path):
