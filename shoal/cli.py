@@ -496,13 +496,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_fleet(args: argparse.Namespace) -> int:
-    from shoal.fleet import worker_env
-
-    # The in-process engine gets the OpenMP environment a fleet worker gets (before torch loads
-    # libgomp, which reads it once), so that the two sides differ only by the fleet.
-    for key, value in worker_env(args.threads).items():
-        if key.startswith(("GOMP_", "OMP_")):
-            os.environ.setdefault(key, value)
+    # Each side as a user runs it: the in-process engine in this process's environment, as
+    # `shoal bench engine`; the fleet's worker with what `shoal up` gives it (worker_env).
     from shoal.model_files import resolve_model_path
     from shoal.process import keep_freed_memory
 
