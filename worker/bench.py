@@ -50,10 +50,13 @@ def to_engine_requests(reqs: list[BenchRequest]) -> list[NewRequest]:
 
 
 def run_workload(engine: Engine, reqs: list[NewRequest]) -> dict[str, float]:
-    """All requests submitted at t=0; returns throughput and per-token latency figures. The
-    prefix cache is emptied first: a run repeating another's prompts computes them again."""
+    """All requests submitted at t=0; returns throughput and per-token latency figures, and the
+    iterations that computed tokens and their seconds (`engine_seconds`; the rest of `seconds`
+    went to the admission loop). The prefix cache is emptied first: a run repeating another's
+    prompts computes them again."""
     engine.reset_prefix_cache()
     hits = engine.prefix_cache_hits
+    iterations, engine_seconds = engine.iterations, engine.iteration_seconds
     t0 = time.perf_counter()
     finished_at: dict[str, float] = {}
     generated = 0
@@ -71,6 +74,8 @@ def run_workload(engine: Engine, reqs: list[NewRequest]) -> dict[str, float]:
         "requests_per_s": len(reqs) / elapsed,
         "median_latency_per_output_token_s": statistics.median(per_token),
         "prefix_cache_hit_tokens": engine.prefix_cache_hits - hits,
+        "iterations": engine.iterations - iterations,
+        "engine_seconds": engine.iteration_seconds - engine_seconds,
     }
 
 

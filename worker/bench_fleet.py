@@ -17,18 +17,28 @@ cache emptied first); the fleet side is `shoal bench serve`'s client (`run_sweep
 sent at once, streamed, with a cache salt of their own). Both generate exactly the workload's
 `max_tokens` per request (EOS ignored), greedy, from the same token ids. This process's CPU time
 during a fleet run is the load generator's (the engine here is idle then).
+
+Each side also reports its iterations that computed tokens and their seconds (`engine_seconds`:
+in-process from the engine's totals, in the fleet from the worker's `shoal_engine_step_seconds`
+histogram), so a share below 1 splits into iterations that ran slower or more of them (other
+processes on the worker's cores, a different batching) and time outside them (the worker's loop,
+Redis, the scheduler, the gateway, the client).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import resource
+import socket
 import statistics
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.bench_serve import run_sweep
 from shoal.fleet import Fleet, free_port, start_fleet
@@ -37,8 +47,35 @@ from worker.bench import run_workload, to_engine_requests
 from worker.engine import Engine
 
 
-def _fleet_run(fleet: Fleet, reqs: list[BenchRequest], seed: int) -> dict:
-    """One run of `reqs` through the fleet's gateway, with the CPU seconds each process spent.
+def _engine_totals(metrics_url: str) -> tuple[int, float]:
+    """(iterations, their seconds) a worker has run, from its `shoal_engine_step_seconds`
+    histogram (every phase) at `metrics_url`."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    count, seconds = 0, 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name == "shoal_engine_step_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_count"):
+                    count += int(sample.value)
+                elif sample.name.endswith("_sum"):
+                    seconds += sample.value
+    return count, seconds
+
+
+def _metrics_port_base() -> int:
+    """A port p with p and p + 1 free: the fleet's scheduler and its worker serve /metrics
+    there (start_fleet's numbering)."""
+    while True:
+        base = free_port()
+        with contextlib.suppress(OSError), socket.socket() as s:
+            s.bind(("127.0.0.1", base + 1))
+            return base
+
+
+def _fleet_run(fleet: Fleet, metrics_url: str, reqs: list[BenchRequest], seed: int) -> dict:
+    """One run of `reqs` through the fleet's gateway, with the CPU seconds each process spent
+    and the worker's iterations and their seconds.
 
     Raises:
         RuntimeError: a request failed (the fleet's figure would not be the workload's).
@@ -47,16 +84,20 @@ def _fleet_run(fleet: Fleet, reqs: list[BenchRequest], seed: int) -> dict:
              **({"redis": fleet.redis} if fleet.redis else {})}
     procs = {name: psutil.Process(p.pid) for name, p in parts.items()}
     before = {name: sum(p.cpu_times()[:2]) for name, p in procs.items()}
+    iterations, engine_seconds = _engine_totals(metrics_url)
     client0 = time.process_time()
     run = asyncio.run(run_sweep(fleet.url, reqs, "all", [], [], seed, progress=False))[0]
     client = time.process_time() - client0
+    iterations_after, engine_seconds_after = _engine_totals(metrics_url)
     if run["errors"]:
         raise RuntimeError(f"{run['errors']} of {run['requests']} requests through the fleet "
                            f"failed; first error: {run['first_error']}")
     cpu = {name: sum(p.cpu_times()[:2]) - before[name] for name, p in procs.items()}
     cpu["load generator"] = client
     return {"generated_tokens": run["generated_tokens"], "seconds": run["seconds"],
-            "generated_tokens_per_s": run["generated_tokens_per_s"], "cpu_seconds": cpu}
+            "generated_tokens_per_s": run["generated_tokens_per_s"],
+            "iterations": iterations_after - iterations,
+            "engine_seconds": engine_seconds_after - engine_seconds, "cpu_seconds": cpu}
 
 
 def _peak_rss_bytes(pid: int) -> int | None:
@@ -98,12 +139,14 @@ def run_fleet_bench(engine: Engine, worker_args: list[str], threads: int | None,
     log_path = out.with_suffix(".log")  # the fleet's logs: one line per request is too many here
     with console.status("starting a fleet (Redis, scheduler, one worker, gateway)"), \
             open(log_path, "w") as log:
+        metrics_base = _metrics_port_base()
         fleet = start_fleet("127.0.0.1", free_port(), 1, None, worker_args, threads,
-                            metrics_port_base=0, log=log)
+                            metrics_port_base=metrics_base, log=log)
+    metrics_url = f"http://127.0.0.1:{metrics_base + 1}/metrics"
     try:
         with console.status("warming up both"):
             run_workload(engine, to_engine_requests(warm))
-            _fleet_run(fleet, warm, seed + 1)
+            _fleet_run(fleet, metrics_url, warm, seed + 1)
         results = []
         for i in range(rounds):
             order = ("engine", "fleet") if i % 2 == 0 else ("fleet", "engine")
@@ -112,7 +155,7 @@ def run_fleet_bench(engine: Engine, worker_args: list[str], threads: int | None,
                 with console.status(f"round {i + 1} of {rounds}: {workload.name} "
                                     f"{'in-process' if side == 'engine' else 'through the fleet'}"):
                     r[side] = (run_workload(engine, to_engine_requests(reqs)) if side == "engine"
-                               else _fleet_run(fleet, reqs, seed))
+                               else _fleet_run(fleet, metrics_url, reqs, seed))
             r["fleet_share"] = (r["fleet"]["generated_tokens_per_s"]
                                 / r["engine"]["generated_tokens_per_s"])
             results.append(r)
@@ -123,10 +166,16 @@ def run_fleet_bench(engine: Engine, worker_args: list[str], threads: int | None,
     def median(side: str) -> float:
         return statistics.median(r[side]["generated_tokens_per_s"] for r in results)
 
+    def median_of(side: str, key: str) -> float:
+        return statistics.median(r[side][key] for r in results)
+
     cpu_parts = results[0]["fleet"]["cpu_seconds"].keys()
     figures = {
         "workload": workload.name, "seed": seed, "rounds": results,
         "engine_tokens_per_s": median("engine"), "fleet_tokens_per_s": median("fleet"),
+        "iterations": {side: median_of(side, "iterations") for side in ("engine", "fleet")},
+        "engine_seconds": {side: median_of(side, "engine_seconds") for side in ("engine", "fleet")},
+        "seconds": {side: median_of(side, "seconds") for side in ("engine", "fleet")},
         "fleet_share": statistics.median(r["fleet_share"] for r in results),
         "fleet_cpu_seconds_per_run": {
             p: statistics.median(r["fleet"]["cpu_seconds"][p] for r in results) for p in cpu_parts},
@@ -144,6 +193,10 @@ def run_fleet_bench(engine: Engine, worker_args: list[str], threads: int | None,
     table.add_row("median", f"{figures['engine_tokens_per_s']:.1f}",
                   f"{figures['fleet_tokens_per_s']:.1f}", f"{figures['fleet_share']:.3f}")
     console.print(table)
+    console.print("per run (medians), in-process / fleet: iterations {0:g} / {1:g}; seconds in "
+                  "them {2:.2f} / {3:.2f}; wall seconds {4:.2f} / {5:.2f}".format(
+                      *figures["iterations"].values(), *figures["engine_seconds"].values(),
+                      *figures["seconds"].values()))
     console.print("CPU seconds per fleet run (medians): " + ", ".join(
         f"{p} {s:.2f}" for p, s in figures["fleet_cpu_seconds_per_run"].items()))
     if worker_rss is not None:

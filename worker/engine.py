@@ -141,6 +141,10 @@ class Engine:
         # Speculative decoding: draft tokens checked, and those the model kept.
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
+        # Iterations that computed tokens, and their wall time in seconds (`step_seconds`): what
+        # the worker's `shoal_engine_step_seconds` histogram counts.
+        self.iterations = 0
+        self.iteration_seconds = 0.0
 
     @staticmethod
     def build_parts(model_cfg: ModelConfig, weights: dict[str, torch.Tensor], cfg: EngineConfig,
@@ -347,10 +351,14 @@ class Engine:
         num_prefill = sum(c for _, c in prefills)
         if decodes or prefills:
             outputs += self._run(decodes, prefills)
+        seconds = time.perf_counter() - t0
+        if decodes or prefills:
+            self.iterations += 1
+            self.iteration_seconds += seconds
         return IterationResult(
             worker_id="", iteration=plan.iteration, outputs=outputs,
             num_free_blocks=self.num_free_blocks, num_prefill_tokens=num_prefill,
-            num_decode_tokens=num_decode, step_seconds=time.perf_counter() - t0,
+            num_decode_tokens=num_decode, step_seconds=seconds,
             num_requests=len(decodes) + len(prefills),
             num_pending_prefill_tokens=sum(s.num_uncomputed_tokens for s in self.running.values()
                                            if s.num_uncomputed_tokens > 1),
