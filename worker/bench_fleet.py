@@ -6,11 +6,11 @@ in-process (`shoal bench engine`). On a shared 2-core host either figure moves b
 minutes (docs/benchmarks.md), so two commands run minutes apart compare phases of the host as
 much as the two paths: sessions 27 and 28 scripted pairs by hand to see anything. This command
 holds both sides: it loads the engine in its own process, as `shoal bench engine` does (its
-environment is this process's), starts a fleet as `shoal up` does (`start_fleet`: Redis, scheduler,
-one worker with the same engine flags and `worker_env`'s OpenMP settings, gateway), warms each on
-other prompts of the workload, then runs the workload `rounds` times
-through each, in turns, the order alternating from round to round. The share is the median of the
-rounds' fleet / in-process ratios, each taken within seconds.
+environment is this process's), starts a fleet as `shoal up` does (`start_fleet`: Redis,
+scheduler, one worker with the same engine flags and `worker_env`'s OpenMP settings, gateway),
+warms each on other prompts of the workload, then runs the workload `rounds` times through each,
+in turns, the order alternating from round to round. The share is the median of the rounds'
+fleet / in-process ratios, each taken within seconds.
 
 The in-process side is `worker.bench.run_workload` (all requests submitted at t = 0, the prefix
 cache emptied first); the fleet side is `shoal bench serve`'s client (`run_sweep`: the requests
