@@ -147,13 +147,14 @@ def test_bench_fleet_quick_runs_both_sides_in_turns(tmp_path):
     r = _shoal("bench", "fleet", "--quick", "--rounds", "2", "--output", str(out), timeout=600)
     assert r.returncode == 0, r.stderr
     figures = json.loads(out.read_text())
-    expected = sum(q.max_tokens for q in make_requests(W64_QUICK, 49152, 0))
+    reqs = make_requests(W64_QUICK, 49152, 0)
+    expected = sum(q.max_tokens for q in reqs)
     rounds = figures["rounds"]
     assert [x["order"] for x in rounds] == [["engine", "fleet"], ["fleet", "engine"]]
     for x in rounds:
         assert x["engine"]["generated_tokens"] == x["fleet"]["generated_tokens"] == expected
         for side in ("engine", "fleet"):  # the iterations that computed tokens, timed inside
-            assert x[side]["iterations"] >= max(q.max_tokens for q in make_requests(W64_QUICK, 49152, 0))
+            assert x[side]["iterations"] >= max(q.max_tokens for q in reqs)
             assert 0 < x[side]["engine_seconds"] <= x[side]["seconds"]
         assert x["fleet_share"] == pytest.approx(
             x["fleet"]["generated_tokens_per_s"] / x["engine"]["generated_tokens_per_s"])

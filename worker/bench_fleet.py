@@ -73,31 +73,46 @@ def _metrics_port_base() -> int:
             return base
 
 
+def _fleet_counters(procs: dict[str, psutil.Process], metrics_url: str) -> dict[str, float]:
+    """The CPU seconds each of `procs` has spent, and the worker's iterations and their seconds
+    (`_engine_totals`), now.
+
+    Raises:
+        RuntimeError: a fleet process has gone (its CPU time or the worker's metrics unreadable).
+    """
+    try:
+        counters = {name: sum(p.cpu_times()[:2]) for name, p in procs.items()}
+        counters["iterations"], counters["engine_seconds"] = _engine_totals(metrics_url)
+    except (psutil.Error, OSError) as e:
+        raise RuntimeError(f"the fleet stopped answering: {e}") from e
+    return counters
+
+
 def _fleet_run(fleet: Fleet, metrics_url: str, reqs: list[BenchRequest], seed: int) -> dict:
     """One run of `reqs` through the fleet's gateway, with the CPU seconds each process spent
     and the worker's iterations and their seconds.
 
     Raises:
-        RuntimeError: a request failed (the fleet's figure would not be the workload's).
+        RuntimeError: a request failed (the fleet's figure would not be the workload's), or a
+            fleet process has gone.
     """
     parts = {"scheduler": fleet.scheduler, "worker": fleet.workers[0], "gateway": fleet.gateway,
              **({"redis": fleet.redis} if fleet.redis else {})}
     procs = {name: psutil.Process(p.pid) for name, p in parts.items()}
-    before = {name: sum(p.cpu_times()[:2]) for name, p in procs.items()}
-    iterations, engine_seconds = _engine_totals(metrics_url)
+    before = _fleet_counters(procs, metrics_url)
     client0 = time.process_time()
     run = asyncio.run(run_sweep(fleet.url, reqs, "all", [], [], seed, progress=False))[0]
     client = time.process_time() - client0
-    iterations_after, engine_seconds_after = _engine_totals(metrics_url)
     if run["errors"]:
         raise RuntimeError(f"{run['errors']} of {run['requests']} requests through the fleet "
                            f"failed; first error: {run['first_error']}")
-    cpu = {name: sum(p.cpu_times()[:2]) - before[name] for name, p in procs.items()}
-    cpu["load generator"] = client
+    after = _fleet_counters(procs, metrics_url)
+    spent = {name: after[name] - before[name] for name in after}
     return {"generated_tokens": run["generated_tokens"], "seconds": run["seconds"],
             "generated_tokens_per_s": run["generated_tokens_per_s"],
-            "iterations": iterations_after - iterations,
-            "engine_seconds": engine_seconds_after - engine_seconds, "cpu_seconds": cpu}
+            "iterations": int(spent.pop("iterations")),
+            "engine_seconds": spent.pop("engine_seconds"),
+            "cpu_seconds": {**spent, "load generator": client}}
 
 
 def _peak_rss_bytes(pid: int) -> int | None:
