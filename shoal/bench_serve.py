@@ -12,9 +12,10 @@ concurrency) makes a sweep; it prints a table, writes a JSON file, and draws wit
 throughput against median normalised latency across the sweep (with the sweeps of `--compare`
 files beside it), and the TTFT and ITL distributions.
 
-The client is aiohttp: the load generator shares the machine with the fleet it measures, and
-its CPU is the fleet's loss. Per W64 run httpx took 0.41 CPU-seconds to read the 64 streams,
-aiohttp (whose HTTP parser is C) 0.15.
+The client is aiohttp on uvloop's event loop: the load generator shares the machine with the
+fleet it measures, and its CPU is the fleet's loss. Per W64 run httpx took 0.41 CPU-seconds to
+read the 64 streams, aiohttp (whose HTTP parser is C) 0.15, and aiohttp on uvloop 0.077 against
+0.102 on asyncio's own loop (2-core Zen 5, 6 runs in turns; docs/benchmarks.md, session 30).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ import random
 import statistics
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -39,6 +42,8 @@ from shoal.workloads import (
     make_requests,
     read_requests,
 )
+
+T = TypeVar("T")
 
 WORKLOADS = {"w64": W64, "orca": ORCA}
 ARRIVALS = ("all", "poisson", "concurrency")
@@ -82,6 +87,16 @@ def workload_requests(spec: str, vocab_size: int, seed: int, num_requests: int |
         raise ValueError(f"workload must be w64, orca or a JSONL file; {spec!r} is none")
     reqs = read_requests(spec)
     return Path(spec).name, reqs[:num_requests] if num_requests else reqs
+
+
+def run_client(coro: Coroutine[Any, Any, T]) -> T:
+    """Run the load generator's coroutine to its end on uvloop's event loop (asyncio's own where
+    uvloop is not installed: Windows)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 async def send_one(client: aiohttp.ClientSession, url: str, model: str | None, r: BenchRequest,

@@ -722,9 +722,14 @@ def _numbers(text: str, kind, flag: str) -> list:
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
-    import asyncio
 
-    from shoal.bench_serve import print_table, run_sweep, workload_requests, write_outputs
+    from shoal.bench_serve import (
+        print_table,
+        run_client,
+        run_sweep,
+        workload_requests,
+        write_outputs,
+    )
     from shoal.workloads import W64_QUICK, make_requests, with_sampling, with_shared_prefix
 
     rates = _numbers(args.rates, float, "--rates")
@@ -744,8 +749,8 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
         if not os.path.isfile(c):
             raise CLIError(f"--compare: no file {c}")
     warmup = make_requests(W64_QUICK, args.vocab_size, args.seed + 1, "warm")
-    runs = asyncio.run(run_sweep(args.url, reqs, args.arrival, rates, concurrencies, args.seed,
-                                 warmup=warmup, salted=args.cache_salt))
+    runs = run_client(run_sweep(args.url, reqs, args.arrival, rates, concurrencies, args.seed,
+                                warmup=warmup, salted=args.cache_salt))
     if all(r["errors"] == r["requests"] for r in runs):
         raise CLIError(f"every request failed; first error: {runs[0]['first_error']}")
     figures = {"workload": name, "url": args.url, "label": args.label, "seed": args.seed,

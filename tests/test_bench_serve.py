@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from shoal.bench_serve import run_sweep
+from shoal.bench_serve import run_client, run_sweep
 from shoal.fleet import free_port
 from shoal.workloads import (
     W64_QUICK,
@@ -88,6 +88,17 @@ def test_per_request_statistics_match_the_servers_timings(synthetic_url):
     assert run["seconds"] == pytest.approx(TTFT_S + ITL_S * 4, abs=2 * SLACK_S)
     assert run["generated_tokens_per_s"] == pytest.approx(sum(lengths) / run["seconds"])
     assert run["ttft_s"]["p50"] >= TTFT_S
+
+
+def test_the_load_generator_runs_on_uvloop(synthetic_url):
+    """The client's CPU is the measured fleet's loss on a shared machine: it runs on uvloop."""
+    async def loop_and_run():
+        runs = await run_sweep(synthetic_url, _reqs([2, 3]), "all", [], [], seed=0, progress=False)
+        return type(asyncio.get_running_loop()), runs[0]
+
+    loop_type, run = run_client(loop_and_run())
+    assert loop_type.__module__.startswith("uvloop")
+    assert run["errors"] == 0 and run["generated_tokens"] == 5
 
 
 def test_poisson_arrivals_follow_the_seeded_schedule(synthetic_url):

@@ -27,7 +27,6 @@ Redis, the scheduler, the gateway, the client).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import resource
@@ -40,7 +39,7 @@ from pathlib import Path
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from shoal.bench_serve import run_sweep
+from shoal.bench_serve import run_client, run_sweep
 from shoal.fleet import Fleet, free_port, start_fleet
 from shoal.workloads import W64, W64_QUICK, BenchRequest, make_requests
 from worker.bench import run_workload, to_engine_requests
@@ -101,7 +100,7 @@ def _fleet_run(fleet: Fleet, metrics_url: str, reqs: list[BenchRequest], seed: i
     procs = {name: psutil.Process(p.pid) for name, p in parts.items()}
     before = _fleet_counters(procs, metrics_url)
     client0 = time.process_time()
-    run = asyncio.run(run_sweep(fleet.url, reqs, "all", [], [], seed, progress=False))[0]
+    run = run_client(run_sweep(fleet.url, reqs, "all", [], [], seed, progress=False))[0]
     client = time.process_time() - client0
     if run["errors"]:
         raise RuntimeError(f"{run['errors']} of {run['requests']} requests through the fleet "
