@@ -685,6 +685,34 @@ async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, 
             r.cancel()
 
 
+# Chunks of a stream that go out in one write, and whether they end it.
+ChunkGroup = tuple[list[dict[str, Any]], bool]
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events from an iterator of `ChunkGroup`s: each group's `data:` lines in one
+    write, and the group that ends the stream with `data: [DONE]` and the end of the chunked body
+    in that same write. A stream used to end in four writes (last token, usage, [DONE], the
+    empty end of the body), each a loopback TCP segment and a wake-up of the client: 192 of the
+    gateway's 2,200 writes over a W64 run. Disconnects are watched as by StreamingResponse,
+    which this is."""
+
+    media_type = "text/event-stream"
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        async for chunks, final in self.body_iterator:
+            data = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks)
+            if final:
+                await send({"type": "http.response.body",
+                            "body": (data + "data: [DONE]\n\n").encode(), "more_body": False})
+                return
+            await send({"type": "http.response.body", "body": data.encode(), "more_body": True})
+        # Ended without a final group (the iterator was closed): end the body all the same.
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
 def _error_chunk(ev: TokenEvent) -> dict[str, Any]:
     """A failure inside a stream, where the HTTP status is already sent: an OpenAI error object."""
     status = ev.error_status or 503
@@ -890,32 +918,31 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
 
     async def _chunks(prompts: list[Prepared], ps: list[Prepared], base: dict, req: _Common,
                       choice: Callable[[int, str, TokenEvent], dict],
-                      first: Callable[[int], dict] | None = None) -> AsyncIterator[dict]:
-        """The stream's chunks: `choice(index, text, event)` shapes each one (completions and
-        chat differ only there), `first(index)` opens each choice; a failure becomes an error
-        object; usage, over all choices, last if asked for."""
+                      first: Callable[[int], dict] | None = None) -> AsyncIterator[ChunkGroup]:
+        """The stream's chunks, grouped as `_EventStream` writes them: `choice(index, text,
+        event)` shapes each one (completions and chat differ only there), `first(index)` opens
+        each choice; a failure becomes an error object and ends the stream; the event that ends
+        the last open choice ends it too, with usage over all choices if asked for."""
         if first is not None:
-            for i in range(len(ps)):
-                yield first(i)
+            yield [first(i) for i in range(len(ps))], False
         last: dict[int, TokenEvent] = {}
         async with contextlib.aclosing(_merge([gw.run(p) for p in ps])) as events:
             async for i, (piece, ev) in events:
                 if ev.finish_reason == "error":
-                    yield _error_chunk(ev)
+                    yield [_error_chunk(ev)], True
                     return
-                if piece or ev.finish_reason:
-                    yield {**base, "choices": [choice(i, piece, ev)]}
                 if ev.finish_reason:
                     last[i] = ev
-        if req.stream_options and req.stream_options.include_usage:
-            yield {**base, "choices": [], "usage": _usage(prompts, *(last[i] for i in sorted(last)))}
-
-    def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
-        async def body():
-            async for c in chunks:
-                yield f"data: {json.dumps(c)}\n\n"
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(body(), media_type="text/event-stream")
+                group = ([{**base, "choices": [choice(i, piece, ev)]}]
+                         if piece or ev.finish_reason else [])
+                if len(last) == len(ps):
+                    if req.stream_options and req.stream_options.include_usage:
+                        group.append({**base, "choices": [],
+                                      "usage": _usage(prompts, *(last[k] for k in sorted(last)))})
+                    yield group, True
+                    return
+                if group:
+                    yield group, False
 
     @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(req: CompletionRequest, request: Request):
@@ -925,7 +952,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         created = int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": gw.model}
         if req.stream:
-            return _sse(_chunks(prompts, ps, base, req, lambda i, piece, ev: {
+            return _EventStream(_chunks(prompts, ps, base, req, lambda i, piece, ev: {
                 "index": i, "text": piece, "logprobs": None, "finish_reason": _finish(ev)}))
         done = await _collect(ps)
 
@@ -947,7 +974,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         base = {"id": p.request_id, "object": "chat.completion.chunk", "created": created,
                 "model": gw.model}
         if req.stream:
-            return _sse(_chunks([p], ps, base, req, lambda i, piece, ev: {
+            return _EventStream(_chunks([p], ps, base, req, lambda i, piece, ev: {
                 "index": i, "delta": {"content": piece} if piece else {},
                 "finish_reason": _finish(ev)}, first=lambda i: {**base, "choices": [{
                     "index": i, "delta": {"role": "assistant", "content": ""},

@@ -427,6 +427,47 @@ def test_a_batch_of_prompts_gets_its_choices_in_order(fleet, oracle, tokenizer):
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
 
 
+def _http_chunks(url: str, path: str, body: dict) -> list[bytes]:
+    """The payloads of a chunked HTTP/1.1 response, one per chunk as the server framed it (one
+    per write of the gateway), read off a raw socket."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    data = json.dumps(body).encode()
+    with socket.create_connection((u.hostname, u.port), timeout=60) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json"
+                     f"\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
+    payloads = []
+    while True:
+        size, _, rest = rest.partition(b"\r\n")
+        if int(size, 16) == 0:
+            return payloads
+        payloads.append(rest[:int(size, 16)])
+        rest = rest[int(size, 16) + 2:]
+
+
+def test_a_stream_ends_in_one_write(fleet):
+    """Each token goes out as soon as it is known; the event that ends the stream goes out with
+    the usage chunk, `data: [DONE]` and the end of the body in one write."""
+    for n in (1, 2):
+        payloads = _http_chunks(fleet["url"], "/v1/completions", {
+            "prompt": "Count to ten:", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "n": n, "stream": True, "stream_options": {"include_usage": True}})
+        *tokens, end = [p.decode().split("\n\n")[:-1] for p in payloads]
+        assert all(len(events) == 1 for events in tokens)  # one event a write until the end
+        assert len(tokens) == 5 * n - 1
+        last, usage, done = (json.loads(e[6:]) if e != "data: [DONE]" else e for e in end)
+        assert last["choices"][0]["finish_reason"] == "length"
+        assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5 * n
+        assert done == "data: [DONE]"
+
+
 def test_a_client_gone_cancels_every_choice(fleet):
     import redis
 
