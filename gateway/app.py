@@ -709,7 +709,8 @@ class _EventStream(StreamingResponse):
                             "body": (data + "data: [DONE]\n\n").encode(), "more_body": False})
                 return
             await send({"type": "http.response.body", "body": data.encode(), "more_body": True})
-        # Ended without a final group (the iterator was closed): end the body all the same.
+        # `_chunks` ends every stream with a final group; an iterator that did not still gets a
+        # well-formed end of stream.
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 

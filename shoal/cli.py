@@ -722,7 +722,6 @@ def _numbers(text: str, kind, flag: str) -> list:
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
-
     from shoal.bench_serve import (
         print_table,
         run_client,
