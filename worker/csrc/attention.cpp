@@ -199,26 +199,59 @@ constexpr int64_t attend_columns(int64_t q, int64_t d, int64_t r) {
 #endif
 }
 
+// Blocks of keys a decode row scores at once: each (query, block) accumulator is a chain of D
+// dependent FMAs, and a decode row's G = 3 chains kept the FMA units waiting on their latency;
+// two blocks' chains interleaved hide most of it, with each lane summing over D in the same order
+// as before (the same bits). 64 requests of 140-260 tokens, 30 layers' pools out of cache, 2
+// threads of a Zen 5, in turns: 14.03 -> 12.85 ms (four blocks at once: 13.57 against 13.13).
+// Past 8 queries (a prefill tile of 3 or 4 heads) or on AVX2 (16 ymm) the registers hold one
+// block's accumulators.
+constexpr int64_t attend_key_blocks(int64_t q) {
+#if defined(__AVX512F__)
+  return q <= 8 ? 2 : 1;
+#else
+  (void)q;
+  return 1;
+#endif
+}
+
+// Scores of Q queries against N blocks of 16 keys from block b on, into it.scores.
+template <typename scalar_t, int64_t Q, int64_t D, int64_t N>
+inline void score_blocks16(const AttnItem<scalar_t>& it, int64_t b, int64_t nblocks) {
+  constexpr int64_t BS = 16;
+  const scalar_t* kb[N];
+  for (int64_t u = 0; u < N; ++u) {
+    kb[u] = it.k_head + it.table[b + u] * D * BS;
+    if (b + u + kPrefetchBlocks < nblocks)
+      prefetch(it.k_head + it.table[b + u + kPrefetchBlocks] * D * BS, D * BS);
+    prefetch(it.v_head + it.table[b + u] * BS * D, BS * D);  // for the weighted sum of values
+  }
+  Lanes16 acc[N][Q];
+  for (int64_t u = 0; u < N; ++u)
+    for (int64_t j = 0; j < Q; ++j) acc[u][j] = Lanes16::zero();
+  for (int64_t e = 0; e < D; ++e) {
+    Lanes16 kf[N];
+    for (int64_t u = 0; u < N; ++u) kf[u] = Lanes16::load(kb[u] + e * BS);
+    for (int64_t j = 0; j < Q; ++j) {
+      const Lanes16 qe = Lanes16::all(it.q[j * D + e]);
+      for (int64_t u = 0; u < N; ++u) acc[u][j] = fmadd(qe, kf[u], acc[u][j]);
+    }
+  }
+  for (int64_t u = 0; u < N; ++u)
+    for (int64_t j = 0; j < Q; ++j) acc[u][j].store(it.scores + j * it.padded + (b + u) * BS);
+}
+
 template <typename scalar_t, int64_t G, int64_t D, int64_t R>
 void attend16(const AttnItem<scalar_t>& it) {
   constexpr int64_t BS = 16, Q = R * G, DC = attend_columns(Q, D, R), NV = DC / 16;
+  constexpr int64_t KB = attend_key_blocks(Q);
   static_assert(D % DC == 0 && DC % 16 == 0, "head_dim must be a multiple of 32");
   const int64_t nblocks = (it.len + BS - 1) / BS;
   for (int64_t b = 1; b < std::min(kPrefetchBlocks, nblocks); ++b)
     prefetch(it.k_head + it.table[b] * D * BS, D * BS);
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const scalar_t* kb = it.k_head + it.table[b] * D * BS;
-    if (b + kPrefetchBlocks < nblocks)
-      prefetch(it.k_head + it.table[b + kPrefetchBlocks] * D * BS, D * BS);
-    prefetch(it.v_head + it.table[b] * BS * D, BS * D);
-    Lanes16 acc[Q];
-    for (int64_t j = 0; j < Q; ++j) acc[j] = Lanes16::zero();
-    for (int64_t e = 0; e < D; ++e) {
-      const Lanes16 kf = Lanes16::load(kb + e * BS);
-      for (int64_t j = 0; j < Q; ++j) acc[j] = fmadd(Lanes16::all(it.q[j * D + e]), kf, acc[j]);
-    }
-    for (int64_t j = 0; j < Q; ++j) acc[j].store(it.scores + j * it.padded + b * BS);
-  }
+  int64_t b = 0;
+  for (; b + KB <= nblocks; b += KB) score_blocks16<scalar_t, Q, D, KB>(it, b, nblocks);
+  for (; b < nblocks; ++b) score_blocks16<scalar_t, Q, D, 1>(it, b, nblocks);
   float inv_sum[Q];
   for (int64_t r = 0; r < R; ++r)
     softmax_rows(it.scores + r * G * it.padded, G, it.len - (R - 1 - r), it.len, it.padded,
