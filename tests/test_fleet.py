@@ -461,7 +461,8 @@ def test_a_stream_ends_in_one_write(fleet):
             "n": n, "stream": True, "stream_options": {"include_usage": True}})
         *tokens, end = [p.decode().split("\n\n")[:-1] for p in payloads]
         assert all(len(events) == 1 for events in tokens)  # one event a write until the end
-        assert len(tokens) == 5 * n - 1
+        # A token whose text the detokenizer holds back (part of a character) sends nothing.
+        assert 1 <= len(tokens) <= 5 * n - 1
         last, usage, done = (json.loads(e[6:]) if e != "data: [DONE]" else e for e in end)
         assert last["choices"][0]["finish_reason"] == "length"
         assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5 * n
