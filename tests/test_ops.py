@@ -70,6 +70,16 @@ def test_a_process_killed_while_loading_does_not_block_the_next():
         lock.unlink(missing_ok=True)
 
 
+def test_the_build_goes_where_torch_extensions_dir_says(monkeypatch, tmp_path):
+    """The Docker image and the Kubernetes pods point TORCH_EXTENSIONS_DIR at a writable
+    emptyDir under a read-only root; torch's `get_default_build_root` ignores the variable, and
+    the kernels were built under the read-only home (so never, serving the torch path)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert cpu_ops.build_directory().parent == tmp_path
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    assert cpu_ops.build_directory().parent != tmp_path
+
+
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -456,7 +466,9 @@ def test_q4_lanes_linear_gives_f32_linears_bits_from_4_bit_levels(out_features, 
     levels, scale_min = random_q4_levels(out_features, in_features, g, q4_0)
     w = q4_weight(levels, scale_min, torch.float32)
     packed, lanes = pack_q4_lanes(levels, scale_min), pack_lanes(w)
-    for rows in (1, 2, 3, 4, 5, 6, 8, 9, 33):  # (AVX2: every tile shape, and chunks of 4 rows)
+    # AVX2: every tile shape of both, chunks of 4 rows (q4_lanes_tiles) and tiles of 6 over
+    # blocks of 256 inputs saved between them (f32_tiles)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 33, 64):
         x = torch.randn(rows, in_features, generator=g)
         y = torch.ops.shoal.q4_lanes_linear(x, packed)
         assert torch.equal(y.view(torch.int32), torch.ops.shoal.f32_linear(x, lanes).view(torch.int32))

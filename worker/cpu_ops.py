@@ -66,10 +66,15 @@ def _cpu_tag() -> str:
 
 
 def build_directory() -> Path:
-    """Where the kernels for this CPU and torch are built: `$TORCH_EXTENSIONS_DIR/shoal_cpu_ops_<tag>`."""
+    """Where the kernels for this CPU and torch are built: `$TORCH_EXTENSIONS_DIR/shoal_cpu_ops_<tag>`
+    (`TORCH_EXTENSIONS_DIR` unset: torch's default root, `~/.cache/torch_extensions`)."""
     from torch.utils import cpp_extension
 
-    return Path(cpp_extension.get_default_build_root()) / f"shoal_cpu_ops_{_cpu_tag()}"
+    # torch's `load` reads TORCH_EXTENSIONS_DIR only where it picks the directory itself;
+    # `get_default_build_root` never does (torch 2.13), and a read-only home (the Kubernetes
+    # pods) leaves the variable's emptyDir as the only place a build can go.
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / f"shoal_cpu_ops_{_cpu_tag()}"
 
 
 def load() -> bool:

@@ -272,6 +272,56 @@ Tensor int8_linear(const Tensor& x, const Tensor& w, const Tensor& scale) {
   });
 }
 
+#if !defined(__AVX512F__)
+// f32_linear on AVX2. lanes_rows' tile there (2 rows x 32 channels) read its channel pair's
+// weights (73 KB at K = 576, more than L1) from L2 again for every 2 rows: 128 bytes per 8 FMAs,
+// about all L2 gives a core. Here a thread keeps kF32BlockK inputs of one group's weights (16 KB)
+// in L1 while every tile of up to kF32TileRows rows of x passes over them, each accumulator
+// saved to y between blocks. Every (row, channel) still sums its inputs in order from zero in
+// one chain, as lanes_rows does with kLaneChains = 1 (and q4_lanes_tile): the same bits. 120
+// SmolLM2 projections on a 2-core Zen 3, ms, in turns (docs/benchmarks.md, session 31): 32 /
+// 64 / 128 rows 71.8 / 132.4 / 265.2 -> 63.0 / 122.4 / 222.9.
+constexpr int64_t kF32TileRows = 6;  // 12 accumulators, 2 weight vectors and a broadcast x
+constexpr int64_t kF32BlockK = 256;
+
+// Rows [0, M) of the tile at x (rows k apart) times inputs [c0, c1) of one group's weights
+// `w` [K][16], into y's 16 channels at `y` (rows n apart), which hold the sums of [0, c0).
+template <int64_t M>
+inline void f32_tile(const float* x, const float* w, float* y, int64_t k, int64_t n, int64_t c0,
+                     int64_t c1) {
+  __m256 acc[M][2];
+  for (int64_t i = 0; i < M; ++i) {
+    acc[i][0] = c0 ? _mm256_loadu_ps(y + i * n) : _mm256_setzero_ps();
+    acc[i][1] = c0 ? _mm256_loadu_ps(y + i * n + 8) : _mm256_setzero_ps();
+  }
+  for (int64_t c = c0; c < c1; ++c) {
+    const __m256 a = _mm256_loadu_ps(w + c * 16), b = _mm256_loadu_ps(w + c * 16 + 8);
+    for (int64_t i = 0; i < M; ++i) {
+      const __m256 xv = _mm256_broadcast_ss(x + i * k + c);
+      acc[i][0] = _mm256_fmadd_ps(a, xv, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(b, xv, acc[i][1]);
+    }
+  }
+  for (int64_t i = 0; i < M; ++i) {
+    _mm256_storeu_ps(y + i * n, acc[i][0]);
+    _mm256_storeu_ps(y + i * n + 8, acc[i][1]);
+  }
+}
+
+// y `[m, n]` = x `[m, k]` times the lanes weight `w` `[n / 16, k, 16]`, all float32.
+void f32_tiles(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n) {
+  at::parallel_for(0, n / 16, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t c0 = 0; c0 < k; c0 += kF32BlockK)
+        for (int64_t i0 = 0; i0 < m; i0 += kF32TileRows)
+          with_row_count<kF32TileRows>(std::min<int64_t>(m - i0, kF32TileRows), [&](auto rows) {
+            f32_tile<decltype(rows)::value>(x + i0 * k, w + g * k * 16, y + i0 * n + g * 16, k,
+                                            n, c0, std::min<int64_t>(c0 + kF32BlockK, k));
+          });
+  });
+}
+#endif
+
 // float32 weights in the lanes layout: where the engine serves float32, oneDNN's prepacked
 // matmul reads a decode step's weights at about 13 GB/s on a 2-core Zen 3, half what the cores
 // can stream.
@@ -282,9 +332,16 @@ Tensor f32_linear(const Tensor& x, const Tensor& w) {
   check_lanes_input(x, w, k, "f32_linear");
   TORCH_CHECK(n % 32 == 0, "f32_linear: N a multiple of 32");
   const float* wp = w.data_ptr<float>();
+#if defined(__AVX512F__)
   return lanes_matmul(x, n, [&](auto rows, const float* xr, float* yr, int64_t g) {
     lanes_rows<decltype(rows)::value>(xr, wp, static_cast<const float*>(nullptr), yr, k, n, g);
   });
+#else
+  const Tensor xf = x.to(at::kFloat);
+  Tensor y = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+  f32_tiles(xf.data_ptr<float>(), wp, y.data_ptr<float>(), x.size(0), k, n);
+  return y.to(x.scalar_type());
+#endif
 }
 
 #if !defined(__AVX512F__)
