@@ -172,7 +172,10 @@ for the number of rows an iteration brings.
   | `shoal::f32_linear` | 15.0 | 15.9 | 18.3 | 22.9 | 33.8 | 55.4 | 99 | 191 | 371 | 766-861 | 2,970-3,321 |
 
   so both copies are kept (the lanes one adds the float32 weights once more: 0.54 GB for
-  SmolLM2 with its LM head) and oneDNN serves iterations past 128 rows. The lanes copy stays on
+  SmolLM2 with its LM head) and oneDNN serves iterations past 128 rows. On AVX2 f32_linear's
+  tiles have since kept blocks of one group's weights in L1 (`f32_tiles`, worker/csrc/lanes.cpp):
+  32 / 64 / 128 rows 71.8 / 132.4 / 265.2 -> 63.0 / 122.4 / 222.9 ms on another Zen 3 of that
+  kind, in turns (session 31). The lanes copy stays on
   ordinary pages: on huge pages decode at batch 1 measured 50.9 against 49.1 tokens/s (five
   rounds each, ranges overlapping) for about 100 MiB more resident memory (each tensor's last
   huge page).
