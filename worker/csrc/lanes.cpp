@@ -294,6 +294,9 @@ inline void f32_tile(const float* x, const float* w, float* y, int64_t k, int64_
     acc[i][0] = c0 ? _mm256_loadu_ps(y + i * n) : _mm256_setzero_ps();
     acc[i][1] = c0 ? _mm256_loadu_ps(y + i * n + 8) : _mm256_setzero_ps();
   }
+  // Unrolled 4 inputs deep, fewer loop instructions beside the 12 FMAs and 8 loads of each:
+  // the 120 projections at 64 rows 115 -> 101 and 113 -> 93 ms in two A/B runs (2 or 8: less).
+#pragma GCC unroll 4
   for (int64_t c = c0; c < c1; ++c) {
     const __m256 a = _mm256_loadu_ps(w + c * 16), b = _mm256_loadu_ps(w + c * 16 + 8);
     for (int64_t i = 0; i < M; ++i) {
