@@ -241,20 +241,26 @@ void for_lane_tiles(int64_t m, int64_t n, RowsFn&& rows_fn) {
   });
 }
 
-// The shared frame of the lanes matmuls: x in float32, y `[M, N]` float32 filled by
-// `rows_fn(rows, x_rows, y_rows, g)` for each tile of rows and pair of channel groups (see
-// for_lane_tiles), returned in x's dtype.
+// The frame of the lanes matmuls: x `[M, K]` in float32, a float32 y `[M, N]` written by
+// `fill(x_data, y_data)`, returned in x's dtype.
+template <class Fill>
+Tensor lanes_frame(const Tensor& x, int64_t n, Fill&& fill) {
+  const Tensor xf = x.to(at::kFloat);
+  Tensor y = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+  fill(xf.data_ptr<float>(), y.data_ptr<float>());
+  return y.to(x.scalar_type());
+}
+
+// lanes_frame with y filled by `rows_fn(rows, x_rows, y_rows, g)` for each tile of rows and
+// pair of channel groups (see for_lane_tiles).
 template <class RowsFn>
 Tensor lanes_matmul(const Tensor& x, int64_t n, RowsFn&& rows_fn) {
   const int64_t k = x.size(1), m = x.size(0);
-  const Tensor xf = x.to(at::kFloat);
-  Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
-  const float* xp = xf.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  for_lane_tiles(m, n, [&](auto rows, int64_t i0, int64_t g) {
-    rows_fn(rows, xp + i0 * k, yp + i0 * n, g);
+  return lanes_frame(x, n, [&](const float* xp, float* yp) {
+    for_lane_tiles(m, n, [&](auto rows, int64_t i0, int64_t g) {
+      rows_fn(rows, xp + i0 * k, yp + i0 * n, g);
+    });
   });
-  return y.to(x.scalar_type());
 }
 
 Tensor int8_linear(const Tensor& x, const Tensor& w, const Tensor& scale) {
@@ -340,10 +346,9 @@ Tensor f32_linear(const Tensor& x, const Tensor& w) {
     lanes_rows<decltype(rows)::value>(xr, wp, static_cast<const float*>(nullptr), yr, k, n, g);
   });
 #else
-  const Tensor xf = x.to(at::kFloat);
-  Tensor y = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
-  f32_tiles(xf.data_ptr<float>(), wp, y.data_ptr<float>(), x.size(0), k, n);
-  return y.to(x.scalar_type());
+  return lanes_frame(x, n, [&](const float* xp, float* yp) {
+    f32_tiles(xp, wp, yp, x.size(0), k, n);
+  });
 #endif
 }
 
@@ -393,10 +398,9 @@ Tensor q4_lanes_linear(const Tensor& x, const Tensor& packed) {
     q4_lanes_rows<decltype(rows)::value>(xr, wp, yr, k, n, g);
   });
 #else
-  const Tensor xf = x.to(at::kFloat);
-  Tensor y = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
-  q4_lanes_tiles(xf.data_ptr<float>(), wp, y.data_ptr<float>(), x.size(0), k, n);
-  return y.to(x.scalar_type());
+  return lanes_frame(x, n, [&](const float* xp, float* yp) {
+    q4_lanes_tiles(xp, wp, yp, x.size(0), k, n);
+  });
 #endif
 }
 
@@ -409,19 +413,16 @@ Tensor int4_linear(const Tensor& x, const Tensor& w, const Tensor& scale_min) {
   TORCH_CHECK(n % 32 == 0 && scale_min.scalar_type() == at::kHalf &&
                   scale_min.numel() == n / 16 * (k / 32) * 32,
               "int4_linear: N a multiple of 32 and float16 scale_min [N/16, K/32, 2, 16]");
-  const Tensor xf = x.to(at::kFloat);
-  Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
-  const float* xp = xf.data_ptr<float>();
-  const std::vector<float> x_sum = block_sums(xp, m, k);
-  const float* xs = x_sum.data();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const uint16_t* smp = static_cast<const uint16_t*>(scale_min.data_ptr());
-  float* yp = y.data_ptr<float>();
-  for_lane_tiles(m, n, [&](auto rows, int64_t i0, int64_t g) {
-    int4_lanes_rows<decltype(rows)::value>(xp + i0 * k, xs + i0 * (k / 32), wp, smp,
-                                           yp + i0 * n, k, n, g);
+  return lanes_frame(x, n, [&](const float* xp, float* yp) {
+    const std::vector<float> x_sum = block_sums(xp, m, k);
+    const float* xs = x_sum.data();
+    for_lane_tiles(m, n, [&](auto rows, int64_t i0, int64_t g) {
+      int4_lanes_rows<decltype(rows)::value>(xp + i0 * k, xs + i0 * (k / 32), wp, smp,
+                                             yp + i0 * n, k, n, g);
+    });
   });
-  return y.to(x.scalar_type());
 }
 #endif
 
