@@ -72,8 +72,8 @@ def test_a_process_killed_while_loading_does_not_block_the_next():
 
 def test_the_build_goes_where_torch_extensions_dir_says(monkeypatch, tmp_path):
     """The Docker image and the Kubernetes pods point TORCH_EXTENSIONS_DIR at a writable
-    emptyDir under a read-only root; torch's `get_default_build_root` ignores the variable, and
-    the kernels were built under the read-only home (so never, serving the torch path)."""
+    emptyDir under a read-only root; torch's `get_default_build_root` ignores the variable, so
+    the build was aimed at the read-only home, where it cannot succeed."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert cpu_ops.build_directory().parent == tmp_path
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")

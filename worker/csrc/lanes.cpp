@@ -281,9 +281,8 @@ Tensor int8_linear(const Tensor& x, const Tensor& w, const Tensor& scale) {
 #if !defined(__AVX512F__)
 // f32_linear on AVX2. lanes_rows' tile there (2 rows x 32 channels) read its channel pair's
 // weights (73 KB at K = 576, more than L1) from L2 again for every 2 rows: 128 bytes per 8 FMAs.
-// Here a thread keeps kF32BlockK inputs of one group's weights (16 KB)
-// in L1 while every tile of up to kF32TileRows rows of x passes over them, each accumulator
-// saved to y between blocks. Every (row, channel) still sums its inputs in order from zero in
+// Here a thread keeps kF32BlockK inputs of one group's weights (16 KB) in L1 while every tile
+// of up to kF32TileRows rows of x passes over them, each accumulator saved to y between blocks. Every (row, channel) still sums its inputs in order from zero in
 // one chain, as lanes_rows does with kLaneChains = 1 (and q4_lanes_tile): the same bits. 120
 // SmolLM2 projections on a 2-core Zen 3, ms, in turns (docs/benchmarks.md, session 31): 32 /
 // 64 / 128 rows 71.8 / 132.4 / 265.2 -> 63.0 / 122.4 / 222.9.
