@@ -25,7 +25,15 @@ from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+)
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -164,12 +172,38 @@ def _unsupported(allowed: tuple, what: str) -> AfterValidator:
     return AfterValidator(check)
 
 
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)]
+
+
+def _prompt_form(value: Any) -> str | None:
+    """Which of the completions API's four forms of `prompt` a value has, told by its JSON type
+    (a list by its first item; an empty list as token ids, which then reports it empty), so that
+    a bad prompt is checked against its own form only: an untagged union reported one error per
+    form, the first of them about the string form whatever was sent."""
+    if isinstance(value, str):
+        return "text"
+    if not isinstance(value, list):
+        return None
+    first = value[0] if value else None
+    return "texts" if isinstance(first, str) else \
+        "token_id_lists" if isinstance(first, list) else "token_ids"
+
+
+# The tags name a form in pydantic's error locations (after "prompt"); the error handler leaves
+# them out.
+PROMPT_FORMS = ("text", "token_ids", "texts", "token_id_lists")
+
+
 class CompletionRequest(_Common):
-    prompt: Annotated[str, Field(min_length=1)] | \
-        Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)] | \
-        Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | \
-        Annotated[list[Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)]],
-                  Field(min_length=1, max_length=MAX_PROMPTS)]
+    prompt: Annotated[
+        Annotated[str, Field(min_length=1), Tag("text")] |
+        Annotated[TokenIds, Tag("token_ids")] |
+        Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS), Tag("texts")] |
+        Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS),
+                  Tag("token_id_lists")],
+        Discriminator(_prompt_form, custom_error_type="prompt_form",
+                      custom_error_message="prompt must be a string, a list of token ids, a list "
+                                           "of strings or a list of lists of token ids")]
     # OpenAI's completions API, and vLLM's, default to 16 tokens (chat: up to the window).
     max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX,
                                    description="tokens to generate; default 16, as OpenAI's")
@@ -330,7 +364,8 @@ class Gateway:
         room = self.max_model_len - prompt_len
         if room < 1:
             raise APIError(f"the prompt has {prompt_len} tokens; the context window is "
-                           f"{self.max_model_len}", param="messages")
+                           f"{self.max_model_len}",
+                           param="messages" if isinstance(req, ChatRequest) else "prompt")
         if req.context_overflow == "error":
             max_tokens = min(max_tokens or room, room)
         else:
@@ -865,7 +900,15 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError):
         err = e.errors()[0] if e.errors() else {}
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        if err.get("type") == "json_invalid":  # FastAPI's: loc is ("body", offset)
+            offset = err.get("loc", ("body", "?"))[-1]
+            detail = (err.get("ctx") or {}).get("error", "")
+            return JSONResponse(APIError(f"the request body is not valid JSON: {detail} (at "
+                                         f"character {offset})").body(), status_code=400)
+        path = [x for x in err.get("loc", ()) if x != "body"]
+        if path[:1] == ["prompt"] and path[1:2] and path[1] in PROMPT_FORMS:
+            del path[1]
+        loc = ".".join(map(str, path))
         return JSONResponse(APIError(f"{loc}: {err.get('msg', 'invalid request')}",
                                      param=loc or None).body(), status_code=400)
 

@@ -138,6 +138,29 @@ def test_bad_requests_get_openai_errors(fleet):
     assert r.status_code == 404 and "gpt-9" in r.json()["error"]["message"]
 
 
+def test_a_bad_prompt_is_judged_by_its_own_form(fleet):
+    """`prompt` takes four forms; the error speaks of the one sent, at its own place in it."""
+    cases = [
+        ({"prompt": ""}, "prompt", "at least 1 character"),
+        ({"prompt": []}, "prompt", "at least 1 item"),
+        ({"prompt": [5, -1]}, "prompt.1", "greater than or equal to 0"),
+        ({"prompt": ["a", 3]}, "prompt.1", "valid string"),
+        ({"prompt": [[1], []]}, "prompt.1", "at least 1 item"),
+        ({"prompt": 5}, "prompt", "a list of token ids"),
+    ]
+    for body, param, words in cases:
+        r = httpx.post(fleet["url"] + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and words in err["message"], (body, err)
+        assert err["message"].startswith(param + ": "), err
+    r = httpx.post(fleet["url"] + "/v1/completions", content=b'{"prompt": "x",}', timeout=30,
+                   headers={"content-type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] is None, err
+    assert err["message"].startswith("the request body is not valid JSON") and "15" in err["message"]
+
+
 def test_stop_strings_cut_the_text(fleet, oracle, tokenizer):
     ids = tokenizer.encode("1, 2, 3, 4,", add_special_tokens=False)
     full = tokenizer.decode(oracle(ids, 20), skip_special_tokens=True)

@@ -74,7 +74,8 @@ def test_bad_input_is_400_never_500(guarded):
 def test_prompt_longer_than_the_context_window(fleet):
     r = httpx.post(fleet["url"] + "/v1/completions", timeout=30,
                    json={"prompt": [100] * 8200, "max_tokens": 4})
-    assert r.status_code == 400 and "context window" in r.json()["error"]["message"]
+    err = r.json()["error"]
+    assert r.status_code == 400 and "context window" in err["message"] and err["param"] == "prompt"
 
 
 def test_request_larger_than_any_worker_fails_clearly(guarded):
