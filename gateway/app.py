@@ -54,7 +54,7 @@ from shoal.messages import (
 )
 from shoal.model_files import load_tokenizer, model_id, resolve_model_path
 from shoal.process import freeze_heap
-from shoal.sampling_params import InvalidSamplingParams, SamplingParams
+from shoal.sampling_params import MAX_TOP_LOGPROBS, InvalidSamplingParams, SamplingParams
 
 log = logging.getLogger("shoal.gateway")
 
@@ -189,9 +189,6 @@ def _prompt_form(value: Any) -> str | None:
         "token_id_lists" if isinstance(first, list) else "token_ids"
 
 
-# The tags name a form in pydantic's error locations (after "prompt"); the error handler leaves
-# them out.
-PROMPT_FORMS = ("text", "token_ids", "texts", "token_id_lists")
 
 
 class CompletionRequest(_Common):
@@ -207,24 +204,55 @@ class CompletionRequest(_Common):
     # OpenAI's completions API, and vLLM's, default to 16 tokens (chat: up to the window).
     max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX,
                                    description="tokens to generate; default 16, as OpenAI's")
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
+                                 description="each token's logprob, and this many most likely "
+                                 "tokens at each step (top_logprobs)")
     echo: Annotated[bool, _unsupported((False,), "echo")] = False
     best_of: Annotated[int | None, _unsupported((None, 1), "best_of above 1")] = None
     suffix: Annotated[str | None, _unsupported((None,), "suffix")] = None
+
+
+class TextPart(BaseModel):
+    """One part of a message's content in OpenAI's array form; text is the only kind served."""
+
+    model_config = ConfigDict(strict=True)
+
+    type: Annotated[str, _unsupported(("text",), "content parts other than text")]
+    text: str
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: Annotated[
+        Annotated[str, Tag("text")] | Annotated[list[TextPart], Tag("parts")],
+        Discriminator(lambda v: "text" if isinstance(v, str) else "parts" if isinstance(v, list)
+                      else None, custom_error_type="content_form",
+                      custom_error_message="content must be a string or a list of text parts")]
+
+    def for_template(self) -> dict[str, str]:
+        """The message as the chat template takes it: the text parts joined by newlines (as
+        vLLM joins them for templates that take a string)."""
+        text = self.content if isinstance(self.content, str) else \
+            "\n".join(p.text for p in self.content)
+        return {"role": self.role, "content": text}
+
+
+# The fields whose forms are tagged unions, and their tags: pydantic puts the tag of the form a
+# value was checked against into an error's location, after the field; the error handler leaves
+# it out.
+UNION_TAGS = {"prompt": ("text", "token_ids", "texts", "token_id_lists"),
+              "content": ("text", "parts")}
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    top_logprobs: Annotated[int | None, _unsupported((None, 0), "top_logprobs above 0")] = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
+                                     description="with logprobs: this many most likely tokens at "
+                                     "each step")
     response_format: Annotated[dict[str, Any] | None, _unsupported(
         (None, {"type": "text"}), "response_format other than text (structured output)")] = None
     tools: Annotated[list[Any] | None, _unsupported((None, []), "tools (tool calls)")] = None
@@ -242,11 +270,13 @@ class Prepared:
 
 @dataclass
 class _Choice:
-    """One choice of a request run to its end: its text, token ids, logprobs and last event."""
+    """One choice of a request run to its end: its text, token ids, logprobs (and each step's
+    most likely tokens, `TokenEvent.top_logprobs`) and last event."""
 
     text: str = ""
     ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
+    tops: list[list[list]] = field(default_factory=list)
     last: TokenEvent | None = None
 
 
@@ -357,7 +387,7 @@ class Gateway:
     # -- request preparation ------------------------------------------------------------------
 
     def _params(self, req: _Common, max_tokens: int | None, prompt_len: int,
-                logprobs: bool) -> SamplingParams:
+                logprobs: bool, top_logprobs: int = 0) -> SamplingParams:
         if req.model not in (None, self.model):
             raise APIError(f"model {req.model!r} is not served here; try {self.model!r}",
                            status=404, param="model", kind="not_found_error")
@@ -381,6 +411,7 @@ class Gateway:
                                   top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed,
                                   ignore_eos=req.ignore_eos,
                                   min_tokens=min(req.min_tokens, max_tokens), logprobs=logprobs,
+                                  top_logprobs=top_logprobs,
                                   presence_penalty=req.presence_penalty,
                                   frequency_penalty=req.frequency_penalty,
                                   repetition_penalty=req.repetition_penalty,
@@ -421,7 +452,8 @@ class Gateway:
         out = []
         for k, item in enumerate(batch):
             ids = self._prompt_ids(item)
-            params = self._params(req, req.max_tokens, len(ids), req.logprobs is not None)
+            params = self._params(req, req.max_tokens, len(ids), req.logprobs is not None,
+                                  req.logprobs or 0)
             out.append(Prepared(rid if len(batch) == 1 else f"{rid}-{k}", ids, params,
                                 _stops(req.stop), req.priority))
         return rid, out
@@ -443,12 +475,19 @@ class Gateway:
             raise APIError("the prompt is empty", param="prompt")
         return ids
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text on its own, as logprobs name tokens (a piece of a multi-byte
+        character shows as U+FFFD)."""
+        return self.tokenizer.decode([token_id])
+
     def prepare_chat(self, req: ChatRequest) -> Prepared:
         ids = list(self.tokenizer.apply_chat_template(
-            [m.model_dump() for m in req.messages], add_generation_prompt=True, tokenize=True,
+            [m.for_template() for m in req.messages], add_generation_prompt=True, tokenize=True,
             return_dict=True)["input_ids"])
+        if req.top_logprobs and not req.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
         params = self._params(req, req.max_completion_tokens or req.max_tokens, len(ids),
-                              bool(req.logprobs))
+                              req.logprobs, req.top_logprobs or 0)
         return Prepared(f"chatcmpl-{uuid.uuid4().hex}", ids, params, _stops(req.stop),
                         req.priority)
 
@@ -510,9 +549,8 @@ class Gateway:
                 if hit:
                     finished = True
                     self._cancel_soon(p.request_id)
-                    yield out, TokenEvent(ev.request_id, ev.index, ev.token_ids, ev.logprobs,
-                                          "stop", None, ev.prompt_tokens, next_index,
-                                          cached_tokens=ev.cached_tokens)
+                    yield out, replace(ev, finish_reason="stop", error=None, error_status=None,
+                                       completion_tokens=next_index)
                     return
                 if ev.finish_reason is not None:
                     finished = True
@@ -749,6 +787,21 @@ class _EventStream(StreamingResponse):
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
+def _invalid(errors: list[Any]) -> APIError:
+    """The first of a request's validation errors (pydantic's, or FastAPI's for a body that is not
+    JSON) as a 400 naming the parameter by its path, `messages.0.content`, without the tags of
+    the unions on the way (`UNION_TAGS`)."""
+    err = errors[0] if errors else {}
+    if err.get("type") == "json_invalid":  # FastAPI's: loc is ("body", offset)
+        offset = err.get("loc", ("body", "?"))[-1]
+        detail = (err.get("ctx") or {}).get("error", "")
+        return APIError(f"the request body is not valid JSON: {detail} (at character {offset})")
+    path = [x for x in err.get("loc", ()) if x != "body"]
+    path = [x for i, x in enumerate(path) if not (i and x in UNION_TAGS.get(str(path[i - 1]), ()))]
+    loc = ".".join(map(str, path))
+    return APIError(f"{loc}: {err.get('msg', 'invalid request')}", param=loc or None)
+
+
 def _error_chunk(ev: TokenEvent) -> dict[str, Any]:
     """A failure inside a stream, where the HTTP status is already sent: an OpenAI error object."""
     status = ev.error_status or 503
@@ -899,18 +952,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError):
-        err = e.errors()[0] if e.errors() else {}
-        if err.get("type") == "json_invalid":  # FastAPI's: loc is ("body", offset)
-            offset = err.get("loc", ("body", "?"))[-1]
-            detail = (err.get("ctx") or {}).get("error", "")
-            return JSONResponse(APIError(f"the request body is not valid JSON: {detail} (at "
-                                         f"character {offset})").body(), status_code=400)
-        path = [x for x in err.get("loc", ()) if x != "body"]
-        if path[:1] == ["prompt"] and path[1:2] and path[1] in PROMPT_FORMS:
-            del path[1]
-        loc = ".".join(map(str, path))
-        return JSONResponse(APIError(f"{loc}: {err.get('msg', 'invalid request')}",
-                                     param=loc or None).body(), status_code=400)
+        return JSONResponse(_invalid(e.errors()).body(), status_code=400)
 
     # Plain ASGI middleware, not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware relays
     # every chunk of a streamed response through a memory stream and a task group, per layer,
@@ -953,6 +995,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
                 c.text += piece
                 c.ids += ev.token_ids
                 c.logprobs += ev.logprobs
+                c.tops += ev.top_logprobs or []
                 c.last = ev
                 if ev.finish_reason == "error":
                     status = ev.error_status or 503
@@ -977,8 +1020,11 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
                     return
                 if ev.finish_reason:
                     last[i] = ev
+                # A token whose text the detokenizer holds back still gets a chunk when its
+                # logprob was asked for.
                 group = ([{**base, "choices": [choice(i, piece, ev)]}]
-                         if piece or ev.finish_reason else [])
+                         if piece or ev.finish_reason or ev.logprobs and ev.logprobs[0] is not None
+                         else [])
                 if len(last) == len(ps):
                     if req.stream_options and req.stream_options.include_usage:
                         group.append({**base, "choices": [],
@@ -995,17 +1041,23 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         await admit(ps, request.headers.get("authorization"))
         created = int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": gw.model}
-        if req.stream:
-            return _EventStream(_chunks(prompts, ps, base, req, lambda i, piece, ev: {
-                "index": i, "text": piece, "logprobs": None, "finish_reason": _finish(ev)}))
-        done = await _collect(ps)
-
-        def logprobs(c: _Choice) -> dict | None:
+        def logprobs(ids: list[int], lps: list, tops: list | None) -> dict | None:
+            """The legacy completions form: parallel lists, each step's alternatives as a map
+            from token text to logprob."""
             if req.logprobs is None:
                 return None
-            return {"tokens": [gw.tokenizer.decode([t]) for t in c.ids], "token_logprobs": c.logprobs,
-                    "top_logprobs": None, "text_offset": None}
-        return {**base, "choices": [{"index": i, "text": c.text, "logprobs": logprobs(c),
+            return {"tokens": [gw.token_text(t) for t in ids], "token_logprobs": lps,
+                    "top_logprobs": [{gw.token_text(t): lp for t, lp in top} for top in tops]
+                    if req.logprobs and tops else None, "text_offset": None}
+
+        if req.stream:
+            return _EventStream(_chunks(prompts, ps, base, req, lambda i, piece, ev: {
+                "index": i, "text": piece,
+                "logprobs": logprobs(ev.token_ids, ev.logprobs, ev.top_logprobs),
+                "finish_reason": _finish(ev)}))
+        done = await _collect(ps)
+        return {**base, "choices": [{"index": i, "text": c.text,
+                                     "logprobs": logprobs(c.ids, c.logprobs, c.tops),
                                      "finish_reason": _finish(c.last)} for i, c in enumerate(done)],
                 "usage": _usage(prompts, *(c.last for c in done))}
 
@@ -1017,22 +1069,30 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         created = int(time.time())
         base = {"id": p.request_id, "object": "chat.completion.chunk", "created": created,
                 "model": gw.model}
+        def logprobs(ids: list[int], lps: list, tops: list | None) -> dict | None:
+            """The chat form: an entry per token with its text's bytes and its step's
+            alternatives (empty unless top_logprobs was asked for)."""
+            if not req.logprobs:
+                return None
+
+            def entry(t: int, lp: float | None) -> dict[str, Any]:
+                text = gw.token_text(t)
+                return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+            return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]}
+                                for t, lp, top in zip(ids, lps, tops or [[]] * len(ids))]}
+
         if req.stream:
             return _EventStream(_chunks([p], ps, base, req, lambda i, piece, ev: {
                 "index": i, "delta": {"content": piece} if piece else {},
+                "logprobs": logprobs(ev.token_ids, ev.logprobs, ev.top_logprobs),
                 "finish_reason": _finish(ev)}, first=lambda i: {**base, "choices": [{
                     "index": i, "delta": {"role": "assistant", "content": ""},
                     "finish_reason": None}]}))
         done = await _collect(ps)
-
-        def logprobs(c: _Choice) -> dict | None:
-            if not req.logprobs:
-                return None
-            return {"content": [{"token": gw.tokenizer.decode([t]), "logprob": lp,
-                                 "top_logprobs": []} for t, lp in zip(c.ids, c.logprobs)]}
         return {**base, "object": "chat.completion",
                 "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": logprobs(c), "finish_reason": _finish(c.last)}
+                             "logprobs": logprobs(c.ids, c.logprobs, c.tops),
+                             "finish_reason": _finish(c.last)}
                             for i, c in enumerate(done)],
                 "usage": _usage([p], *(c.last for c in done))}
 
@@ -1051,7 +1111,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
                 prompts = ([gw.prepare_chat(ChatRequest(**body))] if "messages" in body
                            else gw.prepare_completion(CompletionRequest(**body))[1])
             except ValidationError as e:
-                raise APIError(str(e.errors()[0].get("msg"))) from e
+                raise _invalid(e.errors()) from e
             if body.get("n", 1) != 1 or len(prompts) != 1:
                 raise APIError("one prompt and one choice (n = 1) per WebSocket stream", param="n")
             p = prompts[0]

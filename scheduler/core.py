@@ -451,7 +451,8 @@ class Scheduler:
             # An engine error is about the request itself (see Engine.add_request).
             status = 400 if out.finish_reason == "error" else None
             events.append(self._event(s, tokens, out.finish_reason, out.error, out.logprob,
-                                      index=out.index, status=status))
+                                      index=out.index, status=status,
+                                      top=out.top_logprobs if tokens else None))
         return events
 
     def _unplace(self, s: RequestState) -> None:
@@ -464,12 +465,13 @@ class Scheduler:
     @staticmethod
     def _event(s: RequestState, tokens: list[int], finish_reason: str | None,
                error: str | None = None, logprob: float | None = None,
-               index: int | None = None, status: int | None = None) -> TokenEvent:
+               index: int | None = None, status: int | None = None,
+               top: list[list] | None = None) -> TokenEvent:
         return TokenEvent(
             request_id=s.sub.request_id,
             index=len(s.output_token_ids) - len(tokens) if index is None else index,
             token_ids=tokens, logprobs=[logprob] * len(tokens), finish_reason=finish_reason,
             error=error, prompt_tokens=len(s.sub.prompt_token_ids),
             completion_tokens=len(s.output_token_ids), error_status=status,
-            cached_tokens=s.cached_tokens,
+            cached_tokens=s.cached_tokens, top_logprobs=None if top is None else [top],
         )

@@ -208,6 +208,9 @@ class TokenOutput(Message):
         error: what went wrong when `finish_reason` is "error".
         num_cached_tokens: on a request's first token (index 0), the tokens of its prompt that
             it found in the worker's prefix cache instead of computing them.
+        top_logprobs: when the request asked for `top_logprobs` k, the k most likely tokens at
+            this step as `[token id, logprob]` pairs, most likely first; else None (left off the
+            wire).
     """
 
     TYPE: ClassVar[str] = "token_output"
@@ -218,6 +221,7 @@ class TokenOutput(Message):
     finish_reason: str | None = None
     error: str | None = None
     num_cached_tokens: int = 0
+    top_logprobs: list[list] | None = None
 
 
 @dataclass(frozen=True)
@@ -335,6 +339,9 @@ class TokenEvent(Message):
             served (too long, too large for any worker), 503 when the fleet failed it.
         cached_tokens: prompt tokens found in the prefix cache (OpenAI's
             `usage.prompt_tokens_details.cached_tokens`), known from the first token on.
+        top_logprobs: per token of `token_ids`, its step's most likely tokens as `[token id,
+            logprob]` pairs (`TokenOutput.top_logprobs`), when the request asked for them; else
+            None.
     """
 
     TYPE: ClassVar[str] = "token_event"
@@ -348,6 +355,7 @@ class TokenEvent(Message):
     completion_tokens: int = 0
     error_status: int | None = None
     cached_tokens: int = 0
+    top_logprobs: list[list[list]] | None = None
 
 
 @dataclass(frozen=True)

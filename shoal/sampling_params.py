@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 CONTEXT_OVERFLOW = ("error", "reevaluate", "shift")
+MAX_TOP_LOGPROBS = 20  # most alternatives reported per token (OpenAI's chat API caps it there)
 
 
 class InvalidSamplingParams(ValueError):
@@ -36,6 +37,8 @@ class SamplingParams:
         min_tokens: the end-of-sequence and stop tokens cannot end the request before this many
             tokens were generated.
         logprobs: report the log-probability of each sampled token.
+        top_logprobs: with `logprobs`, also report this many most likely tokens at each
+            step and their log-probabilities, in [0, MAX_TOP_LOGPROBS].
         presence_penalty: subtracted from the logit of every token the output already holds
             (OpenAI's API), in [-2, 2]; 0 disables.
         frequency_penalty: subtracted from a token's logit once per time the output holds it
@@ -67,6 +70,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: bool = False
+    top_logprobs: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -89,6 +93,11 @@ class SamplingParams:
             raise InvalidSamplingParams(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidSamplingParams(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
+                                        f"{self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidSamplingParams("top_logprobs needs logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidSamplingParams(f"{name} must be in [-2, 2], got {getattr(self, name)}")

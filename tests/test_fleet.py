@@ -11,6 +11,7 @@ import subprocess
 import time
 
 import httpx
+import pytest
 
 from shoal.fleet import free_port, shoal_command
 from tests.conftest import spawn_worker
@@ -61,6 +62,25 @@ def test_openai_client_chat_and_completions(fleet, oracle, tokenizer):
     assert by_ids.choices[0].text == exp
 
 
+def test_chat_content_as_text_parts(fleet, oracle, tokenizer):
+    """OpenAI's array form of a message's content: its text parts joined by newlines, as vLLM
+    does; other kinds of part are refused by name."""
+    expected = tokenizer.decode(oracle(_chat_ids(tokenizer, "Name a color.\nOne word."), 12),
+                                skip_special_tokens=True)
+    parts = [{"type": "text", "text": "Name a color."}, {"type": "text", "text": "One word."}]
+    r = httpx.post(fleet["url"] + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": parts}], "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == expected
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    for content, param, words in [([image], "messages.0.content.0.type", "not supported"),
+                                  (5, "messages.0.content", "a list of text parts")]:
+        r = httpx.post(fleet["url"] + "/v1/chat/completions", timeout=30, json={
+            "messages": [{"role": "user", "content": content}], "max_tokens": 4})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param and words in err["message"], err
+
+
 def test_websocket_receives_the_same_tokens(fleet, oracle, tokenizer):
     import websockets.sync.client as wsc
 
@@ -83,6 +103,10 @@ def test_websocket_receives_the_same_tokens(fleet, oracle, tokenizer):
         ws.send(json.dumps({"prompt": "The ocean is", "n": 2}))
         m = json.loads(ws.recv())
     assert m["type"] == "error" and "one choice" in m["message"]  # one stream, one choice
+    with wsc.connect(fleet["url"].replace("http", "ws") + "/v1/stream") as ws:
+        ws.send(json.dumps({"messages": [{"role": "user", "content": [{"type": "text"}]}]}))
+        m = json.loads(ws.recv())
+    assert m == {"type": "error", "message": "messages.0.content.0.text: Field required"}
 
 
 def test_concurrent_streaming_clients(fleet, oracle, tokenizer):
@@ -159,6 +183,66 @@ def test_a_bad_prompt_is_judged_by_its_own_form(fleet):
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] is None, err
     assert err["message"].startswith("the request body is not valid JSON") and "15" in err["message"]
+
+
+def _top_steps(hf_model, tokenizer, ids: list[int], steps: int, k: int) -> list[dict[str, float]]:
+    """transformers' greedy continuation of `ids`: at each step the k most likely tokens' texts
+    and logprobs, the greedy one first."""
+    import torch
+
+    seq, out = list(ids), []
+    with torch.no_grad():
+        for _ in range(steps):
+            lp = torch.log_softmax(hf_model(torch.tensor([seq])).logits[0, -1].double(), -1)
+            values, top = lp.topk(k)
+            out.append({tokenizer.decode([t]): v for t, v in zip(top.tolist(), values.tolist())})
+            seq.append(int(top[0]))
+    return out
+
+
+def _sse(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    return [json.loads(x) for x in lines if x != "[DONE]"]
+
+
+def test_top_logprobs_match_the_oracle_streamed_or_not(fleet, hf_model, tokenizer):
+    """`logprobs: k` (completions) and `logprobs` + `top_logprobs: k` (chat): each token's logprob
+    and its step's k most likely tokens, as transformers computes them, in OpenAI's two forms."""
+    prompt = "The capital of France is"
+    steps = _top_steps(hf_model, tokenizer, tokenizer.encode(prompt, add_special_tokens=False), 6, 3)
+    url = fleet["url"] + "/v1/completions"
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 3}
+    whole = httpx.post(url, json=body, timeout=60).json()["choices"][0]["logprobs"]
+    chunks = [c["choices"][0]["logprobs"] for c in _sse(url, body) if c["choices"]]
+    streamed = {key: [x for c in chunks if c for x in c[key]] for key in whole if key != "text_offset"}
+    for got in (whole, streamed):
+        assert got["tokens"] == [next(iter(s)) for s in steps]
+        assert got["token_logprobs"] == pytest.approx([next(iter(s.values())) for s in steps], abs=1e-3)
+        for top, expected in zip(got["top_logprobs"], steps, strict=True):
+            assert top.keys() == expected.keys() and top == pytest.approx(expected, abs=1e-3)
+
+    question = "Name a fruit."
+    steps = _top_steps(hf_model, tokenizer, _chat_ids(tokenizer, question), 5, 2)
+    url = fleet["url"] + "/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": question}], "max_tokens": 5, "temperature": 0,
+            "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+    whole = httpx.post(url, json=body, timeout=60).json()["choices"][0]["logprobs"]["content"]
+    streamed = [e for c in _sse(url, body) if c["choices"] and c["choices"][0].get("logprobs")
+                for e in c["choices"][0]["logprobs"]["content"]]
+    for got in (whole, streamed):
+        assert len(got) == len(steps)
+        for entry, expected in zip(got, steps):
+            assert entry["token"] == next(iter(expected)) and bytes(entry["bytes"]).decode() == entry["token"]
+            assert {a["token"]: a["logprob"] for a in entry["top_logprobs"]} == \
+                pytest.approx(expected, abs=1e-3)
+            assert entry["logprob"] == entry["top_logprobs"][0]["logprob"]
+
+    for path, bad, param in [("/v1/chat/completions", {"messages": body["messages"], "top_logprobs": 2},
+                              "top_logprobs"),
+                             ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs")]:
+        r = httpx.post(fleet["url"] + path, json=bad, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_stop_strings_cut_the_text(fleet, oracle, tokenizer):

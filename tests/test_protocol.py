@@ -9,10 +9,12 @@ import pytest
 from shoal.messages import (
     PROTOCOL_VERSION,
     IterationPlan,
+    IterationResult,
     NewRequest,
     ProtocolError,
     TokenEvent,
     TokenEvents,
+    TokenOutput,
     WorkerInfo,
     decode,
     encode,
@@ -40,9 +42,15 @@ def test_round_trip_keeps_nested_messages_and_params():
 def test_token_events_round_trip_as_one_message():
     batch = TokenEvents([TokenEvent("a", 3, [17], [-0.5]),
                          TokenEvent("b", 0, [], finish_reason="error", error="gone",
-                                    error_status=503)])
+                                    error_status=503),
+                         TokenEvent("c", 1, [40], [-0.25], top_logprobs=[[[40, -0.25], [7, -1.5]]])])
     back = decode(encode(batch))
     assert back == batch and all(isinstance(e, TokenEvent) for e in back.events)
+    result = IterationResult("w0", 4, [TokenOutput("c", 40, 1, -0.25, top_logprobs=[[40, -0.25]]),
+                                       TokenOutput("d", 9, 0)], num_free_blocks=3)
+    back = decode(encode(result))
+    assert back == result and back.outputs[0].top_logprobs == [[40, -0.25]]
+    assert "top_logprobs" not in _envelope(encode(result))["m"]["outputs"][1]  # None stays off
 
 
 def test_fields_from_a_newer_build_are_ignored_at_every_level():

@@ -13,7 +13,7 @@ def _draw(logits, params, n, seed=0):
     gen = torch.Generator().manual_seed(seed)
     counts = torch.zeros(logits.shape[-1])
     for _ in range(n):
-        tok, _ = Sampler()(logits.clone(), [params], [gen])
+        tok, _, _ = Sampler()(logits.clone(), [params], [gen])
         counts[tok[0]] += 1
     return counts / n
 
@@ -77,19 +77,42 @@ def test_greedy_rows_and_logprobs():
     params = [SamplingParams(temperature=0.0, logprobs=True), SamplingParams(temperature=1.0, seed=1),
               SamplingParams(temperature=0.0)]
     gens = [None, torch.Generator().manual_seed(1), None]
-    tokens, logprobs = Sampler()(logits.clone(), params, gens)
+    tokens, logprobs, _ = Sampler()(logits.clone(), params, gens)
     assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
     assert logprobs[0] == pytest.approx(float(torch.log_softmax(logits[0], -1).max()), abs=1e-5)
     assert logprobs[1] is None and logprobs[2] is None
 
 
+def test_top_logprobs_are_each_rows_most_likely_tokens_of_the_raw_distribution():
+    logits = torch.randn(4, 300) * 3
+    params = [SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5),
+              SamplingParams(temperature=0.9, seed=2, logprobs=True, top_logprobs=2,
+                             presence_penalty=1.5),
+              SamplingParams(temperature=0.0, logprobs=True),
+              SamplingParams(temperature=0.0)]
+    gens = [None, torch.Generator().manual_seed(2), None, None]
+    hist = [((), 0), ([int(logits[1].argmax())], 0), ((), 0), ((), 0)]
+    tokens, logprobs, tops = Sampler()(logits.clone(), params, gens, None, hist)
+    for row, k in ((0, 5), (1, 2)):
+        oracle = torch.log_softmax(logits[row].double(), -1)  # unpenalized, unscaled
+        ids = oracle.argsort(descending=True)[:k].tolist()
+        assert [t for t, _ in tops[row]] == ids
+        assert [lp for _, lp in tops[row]] == pytest.approx(oracle[ids].tolist(), abs=1e-5)
+        assert logprobs[row] == pytest.approx(float(oracle[tokens[row]]), abs=1e-5)
+    assert tops[2] is None and tops[3] is None and logprobs[3] is None
+    with pytest.raises(InvalidSamplingParams, match="needs logprobs"):
+        SamplingParams(top_logprobs=3)
+    with pytest.raises(InvalidSamplingParams, match="top_logprobs"):
+        SamplingParams(logprobs=True, top_logprobs=21)
+
+
 def test_same_seed_same_tokens_regardless_of_neighbours():
     logits = torch.randn(4, 100)
     p = SamplingParams(temperature=1.0, seed=5)
-    alone, _ = Sampler()(logits[:1].clone(), [p], [torch.Generator().manual_seed(5)])
+    alone, _, _ = Sampler()(logits[:1].clone(), [p], [torch.Generator().manual_seed(5)])
     others = [SamplingParams(temperature=1.3, top_p=0.5, seed=i) for i in range(3)]
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    mixed, _ = Sampler()(torch.cat([logits[1:3], logits[:1], logits[3:]]).clone(),
+    mixed, _, _ = Sampler()(torch.cat([logits[1:3], logits[:1], logits[3:]]).clone(),
                          [others[0], others[1], p, others[2]],
                          [gens[0], gens[1], torch.Generator().manual_seed(5), gens[2]])
     assert mixed[2] == alone[0]
@@ -143,7 +166,7 @@ def test_logit_bias_survives_the_wire_and_bans_a_token():
     assert SamplingParams.from_dict(p.to_dict()) == p
     logits = torch.zeros(1, 10)
     logits[0, 4] = 50.0  # the argmax, until banned
-    tokens, _ = Sampler()(logits, [p], [None], logits.argmax(-1), [([1, 2], 2)])
+    tokens, _, _ = Sampler()(logits, [p], [None], logits.argmax(-1), [([1, 2], 2)])
     assert tokens == [9]
 
 
@@ -153,7 +176,8 @@ def test_penalized_greedy_rows_pick_from_penalized_logits_and_report_raw_logprob
     hist = [([top, top, 3], 1), ([top], 1)]
     params = [SamplingParams(temperature=0.0, frequency_penalty=2.0, logprobs=True),
               SamplingParams(temperature=0.0)]
-    tokens, logprobs = Sampler()(logits.clone(), params, [None, None], logits.argmax(-1), hist)
+    tokens, logprobs, _ = Sampler()(logits.clone(), params, [None, None], logits.argmax(-1),
+                                    hist)
     expected = adjust_logits(logits[:1], params[:1], hist[:1])[0].argmax()
     assert tokens[0] == int(expected) != top  # twice in the output: 4 below its old value
     assert tokens[1] == int(logits[1].argmax())  # no penalty: the given argmax stands

@@ -499,15 +499,16 @@ class Engine:
         outputs: list[TokenOutput] = []
         kept = {s.request_id: 0 for s, _ in samplers}
         while samplers:
-            tokens, logprobs = self._sample([s for s, _ in samplers], [r for _, r in samplers],
-                                            logits, argmax)
+            tokens, logprobs, tops = self._sample([s for s, _ in samplers],
+                                                  [r for _, r in samplers], logits, argmax)
             going_on = []
-            for (s, r), tok, lp in zip(samplers, tokens, logprobs):
+            for (s, r), tok, lp, top in zip(samplers, tokens, logprobs, tops):
                 index = s.num_output_tokens
                 s.token_ids.append(tok)
                 reason = self._finish_reason(s, tok)
                 outputs.append(TokenOutput(s.request_id, tok, index, lp, reason,
-                                           num_cached_tokens=0 if index else s.num_cached_tokens))
+                                           num_cached_tokens=0 if index else s.num_cached_tokens,
+                                           top_logprobs=top))
                 if reason is not None:
                     self.release(s.request_id)
                     continue
@@ -536,7 +537,7 @@ class Engine:
             self._register_full_blocks(s)
 
     def _sample(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor | None,
-                argmax: torch.Tensor) -> tuple[list[int], list[float | None]]:
+                argmax: torch.Tensor) -> tuple[list[int], list[float | None], list[list | None]]:
         """One token for each of `seqs` from its logits row in `rows` (of `logits` `[rows,
         vocab]` float32, None when only the argmax `[rows]` int64 is needed): with its banned
         tokens (`_banned_tokens`) and its history as it stands."""

@@ -37,7 +37,7 @@ class Sampler:
         generators: list[torch.Generator | None],
         argmax: torch.Tensor | None = None,
         histories: Sequence[tuple[Sequence[int], int]] | None = None,
-    ) -> tuple[list[int], list[float | None]]:
+    ) -> tuple[list[int], list[float | None], list[list[list] | None]]:
         """Pick the next token of each row.
 
         Args:
@@ -51,8 +51,10 @@ class Sampler:
                 tokens; read only for rows with a penalty.
 
         Returns:
-            The sampled token id per row, and its log-probability under the model's (unscaled,
-            unbiased, unpenalized) distribution for rows that asked for `logprobs`, else None.
+            The sampled token id per row; its log-probability under the model's (unscaled,
+            unbiased, unpenalized) distribution for rows that asked for `logprobs`, else None;
+            and for rows that asked for `top_logprobs` k, the k most likely tokens under that
+            distribution as `[token id, logprob]` pairs, most likely first (else None).
 
         Raises:
             ValueError: `logits` is None where a row needs them, or `histories` where a row has
@@ -76,13 +78,21 @@ class Sampler:
                                        [generators[i] for i in sampled_rows])
         token_list = tokens.tolist()
         logprobs: list[float | None] = [None] * len(params)
+        tops: list[list[list] | None] = [None] * len(params)
         want = [i for i, p in enumerate(params) if p.logprobs]
         if want:
-            rows = logits[want]
-            lp = rows.gather(1, tokens[want].unsqueeze(1)).squeeze(1) - torch.logsumexp(rows, dim=-1)
+            rows = logits[want].log_softmax(dim=-1)
+            lp = rows.gather(1, tokens[want].unsqueeze(1)).squeeze(1)
             for i, value in zip(want, lp.tolist()):
                 logprobs[i] = value
-        return token_list, logprobs
+            k = max(params[i].top_logprobs for i in want)
+            if k:
+                values, ids = rows.topk(k, dim=-1)  # one call for every row, cut to each row's k
+                for (i, v, t) in zip(want, values.tolist(), ids.tolist()):
+                    n = params[i].top_logprobs
+                    if n:
+                        tops[i] = [[tok, val] for tok, val in zip(t[:n], v[:n])]
+        return token_list, logprobs, tops
 
     @staticmethod
     def needs_logits(params: list[SamplingParams]) -> bool:
