@@ -189,8 +189,6 @@ def _prompt_form(value: Any) -> str | None:
         "token_id_lists" if isinstance(first, list) else "token_ids"
 
 
-
-
 class CompletionRequest(_Common):
     prompt: Annotated[
         Annotated[str, Field(min_length=1), Tag("text")] |
