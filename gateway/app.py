@@ -257,6 +257,21 @@ class ChatRequest(_Common):
     tool_choice: Annotated[Any, _unsupported((None, "none"), "tool_choice")] = None
 
 
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    model: str | None = None
+    prompt: Annotated[str, Field(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
+
+
 @dataclass
 class Prepared:
     request_id: str
@@ -386,9 +401,7 @@ class Gateway:
 
     def _params(self, req: _Common, max_tokens: int | None, prompt_len: int,
                 logprobs: bool, top_logprobs: int = 0) -> SamplingParams:
-        if req.model not in (None, self.model):
-            raise APIError(f"model {req.model!r} is not served here; try {self.model!r}",
-                           status=404, param="model", kind="not_found_error")
+        self.check_model(req.model)
         room = self.max_model_len - prompt_len
         if room < 1:
             raise APIError(f"the prompt has {prompt_len} tokens; the context window is "
@@ -449,14 +462,14 @@ class Gateway:
         rid = f"cmpl-{uuid.uuid4().hex}"
         out = []
         for k, item in enumerate(batch):
-            ids = self._prompt_ids(item)
+            ids = self.prompt_ids(item)
             params = self._params(req, req.max_tokens, len(ids), req.logprobs is not None,
                                   req.logprobs or 0)
             out.append(Prepared(rid if len(batch) == 1 else f"{rid}-{k}", ids, params,
                                 _stops(req.stop), req.priority))
         return rid, out
 
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """One prompt's token ids.
 
         Raises:
@@ -473,15 +486,26 @@ class Gateway:
             raise APIError("the prompt is empty", param="prompt")
         return ids
 
+    def check_model(self, model: str | None) -> None:
+        """Raises APIError (404) unless `model` is None or the model this fleet serves."""
+        if model not in (None, self.model):
+            raise APIError(f"model {model!r} is not served here; try {self.model!r}",
+                           status=404, param="model", kind="not_found_error")
+
     def token_text(self, token_id: int) -> str:
         """One token's text on its own, as logprobs name tokens (a piece of a multi-byte
         character shows as U+FFFD)."""
         return self.tokenizer.decode([token_id])
 
-    def prepare_chat(self, req: ChatRequest) -> Prepared:
-        ids = list(self.tokenizer.apply_chat_template(
-            [m.for_template() for m in req.messages], add_generation_prompt=True, tokenize=True,
+    def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
+        """The token ids a chat request's prompt is: the model's chat template over the
+        messages, with the assistant's turn opened."""
+        return list(self.tokenizer.apply_chat_template(
+            [m.for_template() for m in messages], add_generation_prompt=True, tokenize=True,
             return_dict=True)["input_ids"])
+
+    def prepare_chat(self, req: ChatRequest) -> Prepared:
+        ids = self.chat_ids(req.messages)
         if req.top_logprobs and not req.logprobs:
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
         params = self._params(req, req.max_completion_tokens or req.max_tokens, len(ids),
@@ -984,6 +1008,24 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         return {"object": "list", "data": [{"id": gw.model, "object": "model", "created": 0,
                                             "owned_by": "shoal"}]}
 
+    @app.post("/tokenize", responses=_errors(400, 401, 404))
+    async def tokenize(req: TokenizeRequest):
+        """vLLM's: the token ids a completions prompt or a chat's messages would be sent as."""
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("give either prompt or messages", param="prompt")
+        gw.check_model(req.model)
+        ids = gw.chat_ids(req.messages) if req.messages is not None else gw.prompt_ids(req.prompt)
+        return {"count": len(ids), "max_model_len": gw.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", responses=_errors(400, 401, 404))
+    async def detokenize(req: DetokenizeRequest):
+        """vLLM's: the text of token ids."""
+        gw.check_model(req.model)
+        vocab = len(gw.tokenizer)
+        if any(t >= vocab for t in req.tokens):
+            raise APIError(f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": gw.tokenizer.decode(req.tokens)}
+
     async def _collect(ps: list[Prepared]) -> list[_Choice]:
         """Every choice run to its end; the first failure raises (and cancels the others)."""
         out = [_Choice() for _ in ps]
@@ -1039,6 +1081,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         await admit(ps, request.headers.get("authorization"))
         created = int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": gw.model}
+
         def logprobs(ids: list[int], lps: list, tops: list | None) -> dict | None:
             """The legacy completions form: parallel lists, each step's alternatives as a map
             from token text to logprob."""

@@ -245,6 +245,35 @@ def test_top_logprobs_match_the_oracle_streamed_or_not(fleet, hf_model, tokenize
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_tokenize_and_detokenize_as_vllm(fleet, tokenizer):
+    """`/tokenize` gives the ids a completions prompt or a chat's messages are sent as (the usage
+    of a real request agrees), `/detokenize` their text; bad input is a 400."""
+    url = fleet["url"]
+    text = "Tokens, counted before sending."
+    r = httpx.post(url + "/tokenize", json={"prompt": text}, timeout=30).json()
+    assert r["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 8192
+    done = httpx.post(url + "/v1/completions", json={"prompt": text, "max_tokens": 1},
+                      timeout=60).json()
+    assert done["usage"]["prompt_tokens"] == r["count"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    r = httpx.post(url + "/tokenize", json={"messages": messages}, timeout=30).json()
+    done = httpx.post(url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 1},
+                      timeout=60).json()
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"]
+    assert r["tokens"] == list(expected) and r["count"] == done["usage"]["prompt_tokens"]
+    assert httpx.post(url + "/detokenize", json={"tokens": r["tokens"]}, timeout=30).json() == \
+        {"prompt": tokenizer.decode(r["tokens"])}
+    for path, body, param in [("/tokenize", {}, "prompt"),
+                              ("/tokenize", {"prompt": "x", "messages": messages}, "prompt"),
+                              ("/detokenize", {"tokens": [10 ** 6]}, "tokens"),
+                              ("/detokenize", {"tokens": [-1]}, "tokens.0")]:
+        bad = httpx.post(url + path, json=body, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    assert httpx.post(url + "/tokenize", json={"prompt": "x", "model": "gpt-9"}).status_code == 404
+
+
 def test_stop_strings_cut_the_text(fleet, oracle, tokenizer):
     ids = tokenizer.encode("1, 2, 3, 4,", add_special_tokens=False)
     full = tokenizer.decode(oracle(ids, 20), skip_special_tokens=True)
