@@ -205,7 +205,8 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
                                  description="each token's logprob, and this many most likely "
                                  "tokens at each step (top_logprobs)")
-    echo: Annotated[bool, _unsupported((False,), "echo")] = False
+    echo: bool = Field(default=False, description="the prompt before the completion, and with "
+                       "logprobs the prompt tokens' logprobs (not with stream)")
     best_of: Annotated[int | None, _unsupported((None, 1), "best_of above 1")] = None
     suffix: Annotated[str | None, _unsupported((None,), "suffix")] = None
 
@@ -289,7 +290,9 @@ class _Choice:
     text: str = ""
     ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
-    tops: list[list[list]] = field(default_factory=list)
+    tops: list[list[list] | None] = field(default_factory=list)
+    # prompt position -> (logprob of that prompt token, its position's most likely tokens)
+    prompt: dict[int, tuple[float, list[list] | None]] = field(default_factory=dict)
     last: TokenEvent | None = None
 
 
@@ -400,7 +403,8 @@ class Gateway:
     # -- request preparation ------------------------------------------------------------------
 
     def _params(self, req: _Common, max_tokens: int | None, prompt_len: int,
-                logprobs: bool, top_logprobs: int = 0) -> SamplingParams:
+                logprobs: bool, top_logprobs: int = 0,
+                prompt_logprobs: int | None = None) -> SamplingParams:
         self.check_model(req.model)
         room = self.max_model_len - prompt_len
         if room < 1:
@@ -422,7 +426,7 @@ class Gateway:
                                   top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed,
                                   ignore_eos=req.ignore_eos,
                                   min_tokens=min(req.min_tokens, max_tokens), logprobs=logprobs,
-                                  top_logprobs=top_logprobs,
+                                  top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                                   presence_penalty=req.presence_penalty,
                                   frequency_penalty=req.frequency_penalty,
                                   repetition_penalty=req.repetition_penalty,
@@ -459,12 +463,14 @@ class Gateway:
         if len(batch) * req.n > MAX_REQUESTS:
             raise APIError(f"{len(batch)} prompts x n={req.n} choices is more than "
                            f"{MAX_REQUESTS} requests", param="n")
+        if req.echo and req.stream:
+            raise APIError("echo with stream is not supported", param="echo")
         rid = f"cmpl-{uuid.uuid4().hex}"
         out = []
         for k, item in enumerate(batch):
             ids = self.prompt_ids(item)
             params = self._params(req, req.max_tokens, len(ids), req.logprobs is not None,
-                                  req.logprobs or 0)
+                                  req.logprobs or 0, req.logprobs if req.echo else None)
             out.append(Prepared(rid if len(batch) == 1 else f"{rid}-{k}", ids, params,
                                 _stops(req.stop), req.priority))
         return rid, out
@@ -551,6 +557,9 @@ class Gateway:
             next_index = 0
             while True:
                 ev = await q.get()
+                if ev.prompt_logprobs is not None:  # no tokens: the prompt's, for echo
+                    yield "", ev
+                    continue
                 if ev.index + len(ev.token_ids) <= next_index and ev.finish_reason is None:
                     continue  # a duplicate after a failover
                 skip = max(0, next_index - ev.index)
@@ -1032,6 +1041,11 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         async with contextlib.aclosing(_merge([gw.run(p) for p in ps])) as events:
             async for i, (piece, ev) in events:
                 c = out[i]
+                if ev.prompt_logprobs is not None:  # a recomputed prompt sends them again
+                    tops = ev.prompt_top_logprobs or [None] * len(ev.prompt_logprobs)
+                    for j, (lp, top) in enumerate(zip(ev.prompt_logprobs, tops)):
+                        c.prompt[ev.prompt_position + j] = (lp, top)
+                    continue
                 c.text += piece
                 c.ids += ev.token_ids
                 c.logprobs += ev.logprobs
@@ -1088,8 +1102,9 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
             if req.logprobs is None:
                 return None
             return {"tokens": [gw.token_text(t) for t in ids], "token_logprobs": lps,
-                    "top_logprobs": [{gw.token_text(t): lp for t, lp in top} for top in tops]
-                    if req.logprobs and tops else None, "text_offset": None}
+                    "top_logprobs": [None if top is None else {gw.token_text(t): lp for t, lp in top}
+                                     for top in tops] if req.logprobs and tops else None,
+                    "text_offset": None}
 
         if req.stream:
             return _EventStream(_chunks(prompts, ps, base, req, lambda i, piece, ev: {
@@ -1097,6 +1112,14 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
                 "logprobs": logprobs(ev.token_ids, ev.logprobs, ev.top_logprobs),
                 "finish_reason": _finish(ev)}))
         done = await _collect(ps)
+        if req.echo:  # the prompt first: its first token has no logprob, as in OpenAI's API
+            for p, c in zip(ps, done):
+                c.text = gw.tokenizer.decode(p.prompt_ids) + c.text
+                if req.logprobs is not None:
+                    known = [c.prompt.get(k, (None, None)) for k in range(1, len(p.prompt_ids))]
+                    c.ids[:0] = p.prompt_ids
+                    c.logprobs[:0] = [None] + [lp for lp, _ in known]
+                    c.tops[:0] = [None] + [top or [] for _, top in known]
         return {**base, "choices": [{"index": i, "text": c.text,
                                      "logprobs": logprobs(c.ids, c.logprobs, c.tops),
                                      "finish_reason": _finish(c.last)} for i, c in enumerate(done)],

@@ -450,9 +450,14 @@ class Scheduler:
                 self.requests.pop(out.request_id, None)
             # An engine error is about the request itself (see Engine.add_request).
             status = 400 if out.finish_reason == "error" else None
-            events.append(self._event(s, tokens, out.finish_reason, out.error, out.logprob,
-                                      index=out.index, status=status,
-                                      top=out.top_logprobs if tokens else None))
+            event = self._event(s, tokens, out.finish_reason, out.error, out.logprob,
+                                index=out.index, status=status,
+                                top=out.top_logprobs if tokens else None)
+            if out.prompt_logprobs is not None:
+                event = replace(event, prompt_logprobs=out.prompt_logprobs,
+                                prompt_top_logprobs=out.prompt_top_logprobs,
+                                prompt_position=out.prompt_position)
+            events.append(event)
         return events
 
     def _unplace(self, s: RequestState) -> None:

@@ -211,6 +211,13 @@ class TokenOutput(Message):
         top_logprobs: when the request asked for `top_logprobs` k, the k most likely tokens at
             this step as `[token id, logprob]` pairs, most likely first; else None (left off the
             wire).
+        prompt_logprobs: for a request that asked for `prompt_logprobs`, an output with no
+            token that carries the logprobs of prompt tokens `prompt_position`,
+            `prompt_position + 1`, ... (each given the tokens before it) computed this
+            iteration; else None.
+        prompt_top_logprobs: with `prompt_logprobs` k > 0, each of those positions' k most
+            likely tokens as `[token id, logprob]` pairs; else None.
+        prompt_position: the prompt position of the first of `prompt_logprobs` (>= 1).
     """
 
     TYPE: ClassVar[str] = "token_output"
@@ -222,6 +229,9 @@ class TokenOutput(Message):
     error: str | None = None
     num_cached_tokens: int = 0
     top_logprobs: list[list] | None = None
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[list]] | None = None
+    prompt_position: int = 0
 
 
 @dataclass(frozen=True)
@@ -342,6 +352,8 @@ class TokenEvent(Message):
         top_logprobs: per token of `token_ids`, its step's most likely tokens as `[token id,
             logprob]` pairs (`TokenOutput.top_logprobs`), when the request asked for them; else
             None.
+        prompt_logprobs, prompt_top_logprobs, prompt_position: prompt-token logprobs, as in
+            `TokenOutput` (an event with no tokens); a recomputed prompt sends them again.
     """
 
     TYPE: ClassVar[str] = "token_event"
@@ -356,6 +368,9 @@ class TokenEvent(Message):
     error_status: int | None = None
     cached_tokens: int = 0
     top_logprobs: list[list[list]] | None = None
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[list]] | None = None
+    prompt_position: int = 0
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,10 @@ class SamplingParams:
         logprobs: report the log-probability of each sampled token.
         top_logprobs: with `logprobs`, also report this many most likely tokens at each
             step and their log-probabilities, in [0, MAX_TOP_LOGPROBS].
+        prompt_logprobs: None, or report the log-probability of each prompt token after the
+            first given the tokens before it (as vLLM's `prompt_logprobs`) and this many most
+            likely tokens at each of those positions, in [0, MAX_TOP_LOGPROBS]. Such a request
+            computes its whole prompt (no prefix-cache hits) and cannot overflow the window.
         presence_penalty: subtracted from the logit of every token the output already holds
             (OpenAI's API), in [-2, 2]; 0 disables.
         frequency_penalty: subtracted from a token's logit once per time the output holds it
@@ -71,6 +75,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -98,6 +103,12 @@ class SamplingParams:
                                         f"{self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:
             raise InvalidSamplingParams("top_logprobs needs logprobs")
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+                raise InvalidSamplingParams(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
+                                            f"got {self.prompt_logprobs}")
+            if self.context_overflow != "error":
+                raise InvalidSamplingParams("prompt_logprobs needs context_overflow 'error'")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidSamplingParams(f"{name} must be in [-2, 2], got {getattr(self, name)}")

@@ -146,7 +146,7 @@ def test_bad_requests_get_openai_errors(fleet):
         ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias"),
         ("/v1/completions", {"prompt": "x", "cache_salt": ""}, "cache_salt"),
         # OpenAI's parameters that shoal does not serve are refused by name, never ignored.
-        ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, "echo"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                   "response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
@@ -243,6 +243,37 @@ def test_top_logprobs_match_the_oracle_streamed_or_not(fleet, hf_model, tokenize
                              ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs")]:
         r = httpx.post(fleet["url"] + path, json=bad, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(fleet, hf_model, tokenizer):
+    """`echo` with `logprobs` (lm-evaluation-harness's loglikelihood request: echo, logprobs 1,
+    max_tokens 1): the prompt's tokens and their logprobs as transformers computes them, then the
+    completion's; the first prompt token has none."""
+    import torch
+
+    prompt = "The capital of France is Paris, and the capital of Italy is Rome."
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    with torch.no_grad():
+        oracle = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].double(), -1)
+    url = fleet["url"] + "/v1/completions"
+    body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+    choice = httpx.post(url, json=body, timeout=60).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"].startswith(prompt) and len(lp["tokens"]) == len(ids) + 1
+    assert lp["tokens"][: len(ids)] == [tokenizer.decode([t]) for t in ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    expected = oracle[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+    assert lp["token_logprobs"][1: len(ids)] == pytest.approx(expected, abs=1e-3)
+    for p in range(1, len(ids)):  # the most likely token at each prompt position
+        (text, value), = lp["top_logprobs"][p].items()
+        assert value == pytest.approx(float(oracle[p - 1].max()), abs=1e-3)
+    plain = httpx.post(url, json={"prompt": prompt, "max_tokens": 4, "temperature": 0,
+                                  "echo": True}, timeout=60).json()["choices"][0]
+    alone = httpx.post(url, json={"prompt": prompt, "max_tokens": 4, "temperature": 0},
+                       timeout=60).json()["choices"][0]
+    assert plain["text"] == prompt + alone["text"] and plain["logprobs"] is None
+    r = httpx.post(url, json={**body, "stream": True}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
 
 
 def test_tokenize_and_detokenize_as_vllm(fleet, tokenizer):

@@ -105,3 +105,38 @@ def _greedy(engine, prompt: list[int], max_tokens: int, kw: dict) -> list[int]:
 
     req = NewRequest("p", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw))
     return generate(engine, [req])["p"].token_ids
+
+
+def test_prompt_logprobs_match_transformers_across_chunks_and_the_prefix_cache(
+        fp32_model, hf_model, tokenizer):
+    """Each prompt token's logprob given the ones before it, and each position's most likely
+    tokens, as transformers computes them, with the prompt prefilled in chunks beside a request
+    that does not ask; a second request with the same prompt computes it again (no cache hit)."""
+    from worker.offline import stream
+
+    ids = _prompts(tokenizer)[-1][:150]
+    with torch.no_grad():
+        oracle = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].double(), -1)
+    expected = oracle[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    top_values, top_ids = oracle[:-1].topk(3, dim=-1)
+    engine = make_engine(fp32_model, max_num_batched_tokens=64)
+    scoring = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3)
+    for run in range(2):
+        got: dict[int, tuple[float, list]] = {}
+        outs = list(stream(engine, [NewRequest(f"s{run}", ids, scoring),
+                                    NewRequest(f"x{run}", ids[:40], SamplingParams(max_tokens=2))]))
+        for out in outs:
+            if out.prompt_logprobs is not None:
+                assert out.request_id == f"s{run}" and out.token_id is None
+                for j, lp in enumerate(out.prompt_logprobs):
+                    got[out.prompt_position + j] = (lp, out.prompt_top_logprobs[j])
+        assert sum(o.prompt_logprobs is not None for o in outs) == 3  # 150 tokens, 64 a chunk
+        assert sorted(got) == list(range(1, len(ids)))
+        lps = torch.tensor([got[p][0] for p in range(1, len(ids))], dtype=torch.float64)
+        assert torch.allclose(lps, expected, atol=2e-3), (lps - expected).abs().max()
+        for p in range(1, len(ids)):
+            pairs = got[p][1]
+            assert [t for t, _ in pairs] == top_ids[p - 1].tolist() or \
+                torch.allclose(torch.tensor([v for _, v in pairs], dtype=torch.float64),
+                               top_values[p - 1], atol=2e-3)  # a near tie may swap
+            assert [v for _, v in pairs] == sorted((v for _, v in pairs), reverse=True)

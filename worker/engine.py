@@ -232,8 +232,10 @@ class Engine:
                 gen.manual_seed(req.params.seed)
                 # Resumed (preempted or moved): go on from where its tokens left the stream.
                 skip_draws(gen, len(req.output_token_ids))
+        # Prompt logprobs need every prompt token computed here: no prefix-cache hits.
         seq = Sequence(req.request_id, tokens, len(req.prompt_token_ids), req.params, gen,
-                       caches_prefix=self.cfg.enable_prefix_caching and not overflow)
+                       caches_prefix=(self.cfg.enable_prefix_caching and not overflow
+                                      and p.prompt_logprobs is None))
         while overflow and seq.context_len >= self.max_model_len:  # a migrated long request
             seq.num_discarded += self.n_discard(p)
         self.running[req.request_id] = seq
@@ -315,7 +317,9 @@ class Engine:
         `finish_reason="error"`.
 
         Returns:
-            One `TokenOutput` per request that sampled a token or finished, and the free blocks.
+            One `TokenOutput` per request that sampled a token or finished, one with no token
+            per request whose prompt logprobs this iteration computed (`prompt_logprobs`), and
+            the free blocks.
 
         Raises:
             KVCacheFullError: the requests chosen need more blocks than are free. The plan's
@@ -439,6 +443,10 @@ class Engine:
         positions: list[int] = [s.num_computed_tokens for s in plain]
         sample_rows: list[int] = list(range(len(plain)))
         samplers: list[tuple[Sequence, int]] = list(zip(plain, sample_rows))
+        # Rows whose next token is one of the prompt's, of requests that asked for the prompt's
+        # logprobs: (request, its first such position, how many), rows in that order.
+        scored: list[tuple[Sequence, int, int]] = []
+        score_rows: list[int] = []
         for s, c in chunks:
             start = s.num_computed_tokens
             if s.draft_token_ids:
@@ -446,10 +454,15 @@ class Engine:
                 samplers.append((s, len(sample_rows)))
                 sample_rows += range(len(ids) - c, len(ids))
             else:
+                first = len(ids)
                 ids += s.context_ids()[start : start + c]
                 if start + c == s.context_len:  # the prompt is done: this chunk samples
                     samplers.append((s, len(sample_rows)))
                     sample_rows.append(len(ids) - 1)
+                n = min(start + c, s.num_prompt_tokens - 1) - start
+                if s.params.prompt_logprobs is not None and n > 0:
+                    scored.append((s, start, n))
+                    score_rows += range(first, first + n)
             positions += range(start, start + c)
         tables, lens = [s.block_table for s in plain], [s.num_computed_tokens + 1 for s in plain]
         graphs = self.decode_graphs
@@ -464,7 +477,8 @@ class Engine:
             # Only the sampling rows' final hidden states are read (all of them in a decode-only
             # iteration): the last layer's O and MLP skip the other rows.
             out_rows = (None if len(sample_rows) == len(ids)
-                        else torch.tensor(sample_rows, dtype=torch.long, device=self.device))
+                        else torch.tensor(sample_rows + score_rows, dtype=torch.long,
+                                          device=self.device))
             hidden = self.model.forward(torch.tensor(ids, device=self.device),
                                         torch.tensor(positions, device=self.device), meta,
                                         self.kv_cache, out_rows)
@@ -475,8 +489,12 @@ class Engine:
         for s in plain + [s for s, _ in prefills]:
             if s.caches_prefix:
                 self._register_full_blocks(s)
+        outputs: list[TokenOutput] = []
+        if scored:
+            outputs += self._prompt_logprobs(hidden[len(sample_rows):], scored)
+            hidden = hidden[: len(sample_rows)]
         if not samplers:
-            return []
+            return outputs
         # Greedy rows that want no logprobs, ban no token and adjust no logit (bias, penalty)
         # need only the argmax.
         seqs = [s for s, _ in samplers]
@@ -496,7 +514,6 @@ class Engine:
         # the token sampled equals its draft there: its tokens are those plain decoding would
         # have sampled, draw for draw (Leviathan et al. 2023, §2.3, with the draft's
         # distribution a point mass: a draft is kept with probability p(draft)).
-        outputs: list[TokenOutput] = []
         kept = {s.request_id: 0 for s, _ in samplers}
         while samplers:
             tokens, logprobs, tops = self._sample([s for s, _ in samplers],
@@ -520,6 +537,39 @@ class Engine:
         for s, _ in chunks:
             if s.draft_token_ids:
                 self._settle_drafts(s, kept[s.request_id])
+        return outputs
+
+    # Rows of prompt logprobs made at once: their float32 logits take 192 KB a row (SmolLM2).
+    PROMPT_LOGPROBS_ROWS = 256
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, scored: list[tuple[Sequence, int, int]]
+                         ) -> list[TokenOutput]:
+        """The prompt logprobs of this iteration's scored rows (`hidden` `[rows, hidden]`
+        float32, in `scored`'s order: request, first position p, count n): for each position p,
+        log P(prompt[p + 1] | prompt[:p + 1]) under the model's raw distribution and, with
+        `prompt_logprobs` k > 0, the k most likely tokens there. One output per request, with no
+        token."""
+        nxt = torch.tensor([s.token_ids[p + 1] for s, start, n in scored
+                            for p in range(start, start + n)])
+        k = max(s.params.prompt_logprobs for s, _, _ in scored)
+        lps: list[float] = []
+        tops: list[list[list]] = []
+        for i in range(0, hidden.shape[0], self.PROMPT_LOGPROBS_ROWS):
+            logits, _ = self.model.compute_logits(hidden[i : i + self.PROMPT_LOGPROBS_ROWS])
+            rows = logits.float().cpu().log_softmax(dim=-1)
+            lps += rows.gather(1, nxt[i : i + rows.shape[0], None])[:, 0].tolist()
+            if k:
+                values, top = rows.topk(k, dim=-1)
+                tops += [[[t, v] for t, v in zip(ts, vs)]
+                         for ts, vs in zip(top.tolist(), values.tolist())]
+        outputs, at = [], 0
+        for s, start, n in scored:
+            kk = s.params.prompt_logprobs
+            outputs.append(TokenOutput(
+                s.request_id, None, s.num_output_tokens, prompt_logprobs=lps[at : at + n],
+                prompt_top_logprobs=[t[:kk] for t in tops[at : at + n]] if kk else None,
+                prompt_position=start + 1))
+            at += n
         return outputs
 
     def _settle_drafts(self, s: Sequence, kept: int) -> None:
