@@ -2,7 +2,8 @@
 
 It validates and tokenizes a request, subscribes (once, at start-up, to its own channel) before it
 enqueues, writes the request to the Redis stream, and turns the token ids coming back into text
-incrementally. It knows nothing of batching.
+incrementally. It knows nothing of batching. The bodies it takes and answers with, and its
+errors, are defined in gateway/schemas.py.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import redis
 import redis.asyncio as aioredis
@@ -25,15 +26,7 @@ from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Discriminator,
-    Field,
-    Tag,
-    ValidationError,
-)
+from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -41,6 +34,21 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway import metrics
 from gateway.jobs import jobs_router
 from gateway.pages import pages_router
+from gateway.schemas import (
+    GENERATION_RESPONSES,
+    MAX_REQUESTS,
+    APIError,
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    FleetStatus,
+    FleetWorker,
+    GenerationRequest,
+    TokenizeRequest,
+    error_responses,
+    invalid_request,
+)
 from shoal.detokenizer import IncrementalDetokenizer
 from shoal.keys import Keys
 from shoal.messages import (
@@ -54,7 +62,7 @@ from shoal.messages import (
 )
 from shoal.model_files import load_tokenizer, model_id, resolve_model_path
 from shoal.process import freeze_heap
-from shoal.sampling_params import MAX_TOP_LOGPROBS, InvalidSamplingParams, SamplingParams
+from shoal.sampling_params import InvalidSamplingParams, SamplingParams
 
 log = logging.getLogger("shoal.gateway")
 
@@ -69,208 +77,6 @@ try:
     _CONNECTION_KWARGS: dict[str, Any] = {"driver_info": DriverInfo()}
 except ImportError:  # redis-py without DriverInfo reads its version once, at import
     _CONNECTION_KWARGS = {}
-
-
-class APIError(Exception):
-    """An error returned to the client as an OpenAI-style body."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.param, self.kind = status, param, kind
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param,
-                          "code": None}}
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorBody(BaseModel):
-    """OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`."""
-
-    error: ErrorDetail
-
-
-def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI documentation of the error statuses an endpoint may answer."""
-    why = {400: "invalid request", 401: "missing or invalid API key", 404: "unknown model or job",
-           413: "the request body is too large",
-           429: "overloaded or rate limited (see Retry-After)", 503: "the queue is unavailable"}
-    return {code: {"model": ErrorBody, "description": why[code]} for code in statuses}
-
-
-GENERATION_RESPONSES = {
-    200: {"description": "a JSON response, or Server-Sent Events with `stream: true`",
-          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
-    **_errors(400, 401, 404, 429, 503),
-}
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-INT32_MAX = 2**31 - 1  # bounds that every part (msgpack, torch) can carry
-MAX_CHOICES = 16  # most choices (`n`) of one request
-MAX_PROMPTS = 64  # most prompts of one completions request
-MAX_REQUESTS = 256  # most requests (prompts x choices) one API request becomes in the fleet
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(strict=True)  # no "5" for 5, no false for a token id
-
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1, le=INT32_MAX)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=MAX_CHOICES,
-                   description="choices, each its own request in the fleet (sharing the "
-                   "prompt's K/V through the prefix cache); with a seed, choice i samples with "
-                   "seed + i")
-    ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
-    logprobs: Any = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False,
-                                      description="above 1 discourages tokens of the prompt and "
-                                      "the output (as vLLM's); an extension")
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
-        default=None, description="token id (a string) -> bias added to its logit")
-    priority: int = Field(default=0, ge=-100, le=100,
-                          description="lower is served first (batch jobs use 1); an extension")
-    context_overflow: Literal["error", "reevaluate", "shift"] = Field(
-        default="error", description="past the context window: stop (error, finish_reason "
-        "length), or keep n_keep tokens and drop n_discard after them, recomputing "
-        "(reevaluate) or rotating cached keys (shift); an extension")
-    n_keep: int = Field(default=4, ge=0, le=INT32_MAX)
-    n_discard: int | None = Field(default=None, ge=1, le=INT32_MAX)
-    cache_salt: str | None = Field(
-        default=None, min_length=1, max_length=256,
-        description="requests share cached prompt K/V (prefix caching) only with requests of "
-        "the same salt (as vLLM's)")
-
-
-def _unsupported(allowed: tuple, what: str) -> AfterValidator:
-    """Refuses any value but `allowed`: OpenAI's parameters that shoal does not serve get a 400
-    naming them rather than being ignored."""
-    def check(value):
-        if value not in allowed:
-            raise ValueError(f"{what} is not supported")
-        return value
-    return AfterValidator(check)
-
-
-TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)]
-
-
-def _prompt_form(value: Any) -> str | None:
-    """Which of the completions API's four forms of `prompt` a value has, told by its JSON type
-    (a list by its first item; an empty list as token ids, which then reports it empty), so that
-    a bad prompt is checked against its own form only: an untagged union reported one error per
-    form, the first of them about the string form whatever was sent."""
-    if isinstance(value, str):
-        return "text"
-    if not isinstance(value, list):
-        return None
-    first = value[0] if value else None
-    return "texts" if isinstance(first, str) else \
-        "token_id_lists" if isinstance(first, list) else "token_ids"
-
-
-class CompletionRequest(_Common):
-    prompt: Annotated[
-        Annotated[str, Field(min_length=1), Tag("text")] |
-        Annotated[TokenIds, Tag("token_ids")] |
-        Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS), Tag("texts")] |
-        Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS),
-                  Tag("token_id_lists")],
-        Discriminator(_prompt_form, custom_error_type="prompt_form",
-                      custom_error_message="prompt must be a string, a list of token ids, a list "
-                                           "of strings or a list of lists of token ids")]
-    # OpenAI's completions API, and vLLM's, default to 16 tokens (chat: up to the window).
-    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX,
-                                   description="tokens to generate; default 16, as OpenAI's")
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
-                                 description="each token's logprob, and this many most likely "
-                                 "tokens at each step (top_logprobs)")
-    echo: bool = Field(default=False, description="the prompt before the completion, and with "
-                       "logprobs the prompt tokens' logprobs (not with stream)")
-    best_of: Annotated[int | None, _unsupported((None, 1), "best_of above 1")] = None
-    suffix: Annotated[str | None, _unsupported((None,), "suffix")] = None
-
-
-class TextPart(BaseModel):
-    """One part of a message's content in OpenAI's array form; text is the only kind served."""
-
-    model_config = ConfigDict(strict=True)
-
-    type: Annotated[str, _unsupported(("text",), "content parts other than text")]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True)
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Annotated[
-        Annotated[str, Tag("text")] | Annotated[list[TextPart], Tag("parts")],
-        Discriminator(lambda v: "text" if isinstance(v, str) else "parts" if isinstance(v, list)
-                      else None, custom_error_type="content_form",
-                      custom_error_message="content must be a string or a list of text parts")]
-
-    def for_template(self) -> dict[str, str]:
-        """The message as the chat template takes it: the text parts joined by newlines (as
-        vLLM joins them for templates that take a string)."""
-        text = self.content if isinstance(self.content, str) else \
-            "\n".join(p.text for p in self.content)
-        return {"role": self.role, "content": text}
-
-
-# The fields whose forms are tagged unions, and their tags: pydantic puts the tag of the form a
-# value was checked against into an error's location, after the field; the error handler leaves
-# it out.
-UNION_TAGS = {"prompt": ("text", "token_ids", "texts", "token_id_lists"),
-              "content": ("text", "parts")}
-
-
-class ChatRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
-                                     description="with logprobs: this many most likely tokens at "
-                                     "each step")
-    response_format: Annotated[dict[str, Any] | None, _unsupported(
-        (None, {"type": "text"}), "response_format other than text (structured output)")] = None
-    tools: Annotated[list[Any] | None, _unsupported((None, []), "tools (tool calls)")] = None
-    tool_choice: Annotated[Any, _unsupported((None, "none"), "tool_choice")] = None
-
-
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True)
-
-    model: str | None = None
-    prompt: Annotated[str, Field(min_length=1)] | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True)
-
-    model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
 
 
 @dataclass
@@ -402,7 +208,7 @@ class Gateway:
 
     # -- request preparation ------------------------------------------------------------------
 
-    def _params(self, req: _Common, max_tokens: int | None, prompt_len: int,
+    def _params(self, req: GenerationRequest, max_tokens: int | None, prompt_len: int,
                 logprobs: bool, top_logprobs: int = 0,
                 prompt_logprobs: int | None = None) -> SamplingParams:
         self.check_model(req.model)
@@ -704,30 +510,6 @@ class Gateway:
 PUBLIC_PATHS = ("/healthz", "/readyz", "/", "/fleet", "/shoal.css")
 
 
-class FleetWorker(BaseModel):
-    """One worker in `GET /v1/fleet`: its last heartbeat (K/V blocks of `block_size` tokens)."""
-
-    worker_id: str
-    model: str
-    alive: bool = Field(description="its heartbeat key has not expired")
-    draining: bool
-    num_free_blocks: int
-    num_total_blocks: int
-    block_size: int
-    num_running: int = Field(description="requests in its engine")
-    max_model_len: int
-    heartbeat_age_s: float | None = Field(description="seconds since its last heartbeat")
-
-
-class FleetStatus(BaseModel):
-    """`GET /v1/fleet`: what the scheduler places requests by."""
-
-    object: Literal["fleet"] = "fleet"
-    model: str
-    num_waiting: int = Field(description="requests waiting in the scheduler's queue")
-    workers: list[FleetWorker]
-
-
 def _stops(stop: str | list[str] | None) -> list[str]:
     if stop is None:
         return []
@@ -816,21 +598,6 @@ class _EventStream(StreamingResponse):
         # `_chunks` ends every stream with a final group; an iterator that did not still gets a
         # well-formed end of stream.
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
-
-
-def _invalid(errors: list[Any]) -> APIError:
-    """The first of a request's validation errors (pydantic's, or FastAPI's for a body that is not
-    JSON) as a 400 naming the parameter by its path, `messages.0.content`, without the tags of
-    the unions on the way (`UNION_TAGS`)."""
-    err = errors[0] if errors else {}
-    if err.get("type") == "json_invalid":  # FastAPI's: loc is ("body", offset)
-        offset = err.get("loc", ("body", "?"))[-1]
-        detail = (err.get("ctx") or {}).get("error", "")
-        return APIError(f"the request body is not valid JSON: {detail} (at character {offset})")
-    path = [x for x in err.get("loc", ()) if x != "body"]
-    path = [x for i, x in enumerate(path) if not (i and x in UNION_TAGS.get(str(path[i - 1]), ()))]
-    loc = ".".join(map(str, path))
-    return APIError(f"{loc}: {err.get('msg', 'invalid request')}", param=loc or None)
 
 
 def _error_chunk(ev: TokenEvent) -> dict[str, Any]:
@@ -958,10 +725,10 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
     app = FastAPI(title="shoal gateway", lifespan=lifespan)
     app.state.gateway = gw
 
-    app.include_router(pages_router(gw.fleet, FleetStatus, _errors))
+    app.include_router(pages_router(gw.fleet, FleetStatus, error_responses))
     app.include_router(jobs_router(redis_url, prefix,
                                    {"completions": CompletionRequest, "chat": ChatRequest},
-                                   APIError, _errors))
+                                   APIError, error_responses))
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
@@ -983,7 +750,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError):
-        return JSONResponse(_invalid(e.errors()).body(), status_code=400)
+        return JSONResponse(invalid_request(e.errors()).body(), status_code=400)
 
     # Plain ASGI middleware, not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware relays
     # every chunk of a streamed response through a memory stream and a task group, per layer,
@@ -991,7 +758,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
     app.add_middleware(_Guard, settings=settings)
     app.add_middleware(_CountRequests)  # outermost: counts the guard's refusals too
 
-    @app.get("/metrics", responses={200: {"content": {"text/plain": {}}}, **_errors(401)})
+    @app.get("/metrics", responses={200: {"content": {"text/plain": {}}}, **error_responses(401)})
     async def prometheus_metrics():
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
@@ -1012,12 +779,12 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         return JSONResponse({"status": "ok" if ok else "unavailable", "detail": why},
                             status_code=200 if ok else 503)
 
-    @app.get("/v1/models", responses=_errors(401))
+    @app.get("/v1/models", responses=error_responses(401))
     async def models():
         return {"object": "list", "data": [{"id": gw.model, "object": "model", "created": 0,
                                             "owned_by": "shoal"}]}
 
-    @app.post("/tokenize", responses=_errors(400, 401, 404))
+    @app.post("/tokenize", responses=error_responses(400, 401, 404))
     async def tokenize(req: TokenizeRequest):
         """vLLM's: the token ids a completions prompt or a chat's messages would be sent as."""
         if (req.prompt is None) == (req.messages is None):
@@ -1026,7 +793,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         ids = gw.chat_ids(req.messages) if req.messages is not None else gw.prompt_ids(req.prompt)
         return {"count": len(ids), "max_model_len": gw.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize", responses=_errors(400, 401, 404))
+    @app.post("/detokenize", responses=error_responses(400, 401, 404))
     async def detokenize(req: DetokenizeRequest):
         """vLLM's: the text of token ids."""
         gw.check_model(req.model)
@@ -1057,7 +824,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
                                    kind="invalid_request_error" if status < 500 else "server_error")
         return out
 
-    async def _chunks(prompts: list[Prepared], ps: list[Prepared], base: dict, req: _Common,
+    async def _chunks(prompts: list[Prepared], ps: list[Prepared], base: dict, req: GenerationRequest,
                       choice: Callable[[int, str, TokenEvent], dict],
                       first: Callable[[int], dict] | None = None) -> AsyncIterator[ChunkGroup]:
         """The stream's chunks, grouped as `_EventStream` writes them: `choice(index, text,
@@ -1175,7 +942,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
                 prompts = ([gw.prepare_chat(ChatRequest(**body))] if "messages" in body
                            else gw.prepare_completion(CompletionRequest(**body))[1])
             except ValidationError as e:
-                raise _invalid(e.errors()) from e
+                raise invalid_request(e.errors()) from e
             if body.get("n", 1) != 1 or len(prompts) != 1:
                 raise APIError("one prompt and one choice (n = 1) per WebSocket stream", param="n")
             p = prompts[0]

@@ -12,7 +12,8 @@ import pytest
 import redis
 
 import scheduler.server as scheduler_server
-from gateway.app import CompletionRequest, Gateway
+from gateway.app import Gateway
+from gateway.schemas import CompletionRequest
 from shoal.fleet import free_port, start_redis, stop_all
 from shoal.keys import Keys
 from shoal.messages import (
