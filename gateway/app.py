@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import itertools
 import json
 import logging
 import time
@@ -863,21 +864,28 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         created = int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": gw.model}
 
-        def logprobs(ids: list[int], lps: list, tops: list | None) -> dict | None:
+        def logprobs(ids: list[int], lps: list, tops: list | None, start: int = 0) -> dict | None:
             """The legacy completions form: parallel lists, each step's alternatives as a map
-            from token text to logprob."""
+            from token text to logprob, and each token's offset in the choice's text (`start`
+            for the first; the token texts' lengths after it, as vLLM counts)."""
             if req.logprobs is None:
                 return None
-            return {"tokens": [gw.token_text(t) for t in ids], "token_logprobs": lps,
+            texts = [gw.token_text(t) for t in ids]
+            return {"tokens": texts, "token_logprobs": lps,
                     "top_logprobs": [None if top is None else {gw.token_text(t): lp for t, lp in top}
                                      for top in tops] if req.logprobs and tops else None,
-                    "text_offset": None}
+                    "text_offset": list(itertools.accumulate(map(len, texts[:-1]), initial=start))
+                    if texts else []}
 
         if req.stream:
-            return _EventStream(_chunks(prompts, ps, base, req, lambda i, piece, ev: {
-                "index": i, "text": piece,
-                "logprobs": logprobs(ev.token_ids, ev.logprobs, ev.top_logprobs),
-                "finish_reason": _finish(ev)}))
+            offsets = [0] * len(ps)  # each choice's next token's text offset
+
+            def chunk(i: int, piece: str, ev: TokenEvent) -> dict[str, Any]:
+                lp = logprobs(ev.token_ids, ev.logprobs, ev.top_logprobs, offsets[i])
+                if lp is not None:
+                    offsets[i] += sum(map(len, lp["tokens"]))
+                return {"index": i, "text": piece, "logprobs": lp, "finish_reason": _finish(ev)}
+            return _EventStream(_chunks(prompts, ps, base, req, chunk))
         done = await _collect(ps)
         if req.echo:  # the prompt first: its first token has no logprob, as in OpenAI's API
             for p, c in zip(ps, done):
@@ -900,6 +908,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         created = int(time.time())
         base = {"id": p.request_id, "object": "chat.completion.chunk", "created": created,
                 "model": gw.model}
+
         def logprobs(ids: list[int], lps: list, tops: list | None) -> dict | None:
             """The chat form: an entry per token with its text's bytes and its step's
             alternatives (empty unless top_logprobs was asked for)."""

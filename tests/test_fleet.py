@@ -216,6 +216,8 @@ def test_top_logprobs_match_the_oracle_streamed_or_not(fleet, hf_model, tokenize
     whole = httpx.post(url, json=body, timeout=60).json()["choices"][0]["logprobs"]
     chunks = [c["choices"][0]["logprobs"] for c in _sse(url, body) if c["choices"]]
     streamed = {key: [x for c in chunks if c for x in c[key]] for key in whole if key != "text_offset"}
+    offsets = [0, *itertools.accumulate(len(t) for t in whole["tokens"][:-1])]
+    assert whole["text_offset"] == offsets and [x for c in chunks for x in c["text_offset"]] == offsets
     for got in (whole, streamed):
         assert got["tokens"] == [next(iter(s)) for s in steps]
         assert got["token_logprobs"] == pytest.approx([next(iter(s.values())) for s in steps], abs=1e-3)
@@ -262,6 +264,7 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(fleet, hf_model, tok
     assert choice["text"].startswith(prompt) and len(lp["tokens"]) == len(ids) + 1
     assert lp["tokens"][: len(ids)] == [tokenizer.decode([t]) for t in ids]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][len(ids)] == len(prompt)  # ASCII
     expected = oracle[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
     assert lp["token_logprobs"][1: len(ids)] == pytest.approx(expected, abs=1e-3)
     for p in range(1, len(ids)):  # the most likely token at each prompt position
