@@ -292,12 +292,16 @@ class Gateway:
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
             ids = list(prompt)
-            vocab = len(self.tokenizer)
-            if any(t < 0 or t >= vocab for t in ids):
-                raise APIError(f"token ids must be in [0, {vocab})", param="prompt")
+            self.check_token_ids(ids, "prompt")
         if not ids:
             raise APIError("the prompt is empty", param="prompt")
         return ids
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        """Raises APIError (400, naming `param`) unless every id is in the vocabulary."""
+        vocab = len(self.tokenizer)
+        if any(t < 0 or t >= vocab for t in ids):
+            raise APIError(f"token ids must be in [0, {vocab})", param=param)
 
     def check_model(self, model: str | None) -> None:
         """Raises APIError (404) unless `model` is None or the model this fleet serves."""
@@ -798,9 +802,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
     async def detokenize(req: DetokenizeRequest):
         """vLLM's: the text of token ids."""
         gw.check_model(req.model)
-        vocab = len(gw.tokenizer)
-        if any(t >= vocab for t in req.tokens):
-            raise APIError(f"token ids must be in [0, {vocab})", param="tokens")
+        gw.check_token_ids(req.tokens, "tokens")
         return {"prompt": gw.tokenizer.decode(req.tokens)}
 
     async def _collect(ps: list[Prepared]) -> list[_Choice]:

@@ -216,8 +216,8 @@ def make_celery(redis_url: str, prefix: str = "shoal"):
             # late (seen in tests/test_jobs.py). Sweep every quarter of the timeout instead.
             "unacked_restore_interval": max(1, visibility // 4), "unacked_restore_throttle": 1,
             # A worker killed inside a sweep leaves kombu's sweep lock held until it expires,
-            # 300 s by default, and no one restores anything meanwhile: a sweep takes
-            # milliseconds, so let the lock lapse within one sweep interval.
+            # 300 s by default, and no one restores anything meanwhile. A sweep is a few Redis
+            # commands (kombu's restore_visible), so the lock can lapse within one interval.
             "unacked_mutex_expire": max(1, visibility // 4)},
         result_backend_transport_options={"global_keyprefix": keyprefix},
         task_acks_late=True,
