@@ -64,6 +64,7 @@ from shoal.messages import (
 from shoal.model_files import load_tokenizer, model_id, resolve_model_path
 from shoal.process import freeze_heap
 from shoal.sampling_params import InvalidSamplingParams, SamplingParams
+from shoal.structured_output import InvalidStructuredOutput, StructuredOutput
 
 log = logging.getLogger("shoal.gateway")
 
@@ -239,9 +240,32 @@ class Gateway:
                                   repetition_penalty=req.repetition_penalty,
                                   logit_bias=self._logit_bias(req.logit_bias),
                                   context_overflow=req.context_overflow, n_keep=req.n_keep,
-                                  n_discard=req.n_discard, cache_salt=req.cache_salt)
+                                  n_discard=req.n_discard, cache_salt=req.cache_salt,
+                                  structured_output=self._structured_output(req))
         except InvalidSamplingParams as e:
             raise APIError(str(e)) from e
+
+    @staticmethod
+    def _structured_output(req: GenerationRequest) -> StructuredOutput | None:
+        """The request's constraint on its output (`response_format` or `structured_outputs`),
+        compiled once here so that a bad one is refused before it is queued.
+
+        Raises:
+            APIError: both are given, or the constraint does not compile.
+        """
+        fmt = req.response_format.constraint() if req.response_format else None
+        if fmt is not None and req.structured_outputs is not None:
+            raise APIError("give response_format or structured_outputs, not both",
+                           param="structured_outputs")
+        param = "response_format" if fmt is not None else "structured_outputs"
+        constraint = fmt or (req.structured_outputs.constraint() if req.structured_outputs
+                             else None)
+        if constraint is not None:
+            try:
+                constraint.check()
+            except InvalidStructuredOutput as e:
+                raise APIError(f"{param}: {e}", param=param) from e
+        return constraint
 
     def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         """OpenAI's `logit_bias` (token ids as strings) as (token id, bias) pairs.

@@ -7,11 +7,21 @@ refused by name, never ignored.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    model_validator,
+)
 
 from shoal.sampling_params import MAX_TOP_LOGPROBS
+from shoal.structured_output import JSON_OBJECT, StructuredOutput
 
 
 class APIError(Exception):
@@ -57,6 +67,76 @@ GENERATION_RESPONSES = {
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    """`response_format.json_schema`: a named JSON Schema the output must satisfy."""
+
+    model_config = ConfigDict(strict=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = Field(default=None, description="accepted; the schema is always "
+                                "enforced")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
+
+    def constraint(self) -> StructuredOutput | None:
+        if self.type == "json_object":
+            return JSON_OBJECT
+        if self.type == "json_schema":
+            return StructuredOutput("json", json.dumps(self.json_schema.json_schema))
+        return None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one constraint on the output text."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(
+        default=None, alias="json", description="a JSON Schema (an object, or its JSON text)")
+    regex: str | None = Field(default=None, description="a regular expression the whole output "
+                              "matches (Rust's regex syntax: \\d is any Unicode digit)")
+    choice: list[str] | None = Field(default=None, min_length=1,
+                                     description="the output is one of these strings")
+    grammar: str | None = Field(default=None, description="a context-free grammar in Lark's "
+                                "syntax, as llguidance reads it")
+    json_object: bool | None = Field(default=None, description="true: any JSON object")
+
+    @model_validator(mode="after")
+    def _one_given(self) -> StructuredOutputs:
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar and json_object")
+        return self
+
+    def constraint(self) -> StructuredOutput:
+        if self.json_object:
+            return JSON_OBJECT
+        if self.json_ is not None:
+            spec = self.json_ if isinstance(self.json_, str) else json.dumps(self.json_)
+            return StructuredOutput("json", spec)
+        if self.choice is not None:
+            return StructuredOutput("choice", json.dumps(self.choice))
+        if self.regex is not None:
+            return StructuredOutput("regex", self.regex)
+        return StructuredOutput("grammar", self.grammar)
 
 
 INT32_MAX = 2**31 - 1  # bounds that every part (msgpack, torch) can carry
@@ -106,6 +186,12 @@ class GenerationRequest(BaseModel):
         default=None, min_length=1, max_length=256,
         description="requests share cached prompt K/V (prefix caching) only with requests of "
         "the same salt (as vLLM's)")
+    response_format: ResponseFormat | None = Field(
+        default=None, description="text, json_object or json_schema: the output is JSON "
+        "(matching the schema), enforced token by token")
+    structured_outputs: StructuredOutputs | None = Field(
+        default=None, description="vLLM's structured outputs: a JSON Schema, a regular "
+        "expression, a choice of strings or a Lark grammar the output matches")
 
 
 def _unsupported(allowed: tuple, what: str) -> AfterValidator:
@@ -198,8 +284,6 @@ class ChatRequest(GenerationRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
                                      description="with logprobs: this many most likely tokens at "
                                      "each step")
-    response_format: Annotated[dict[str, Any] | None, _unsupported(
-        (None, {"type": "text"}), "response_format other than text (structured output)")] = None
     tools: Annotated[list[Any] | None, _unsupported((None, []), "tools (tool calls)")] = None
     tool_choice: Annotated[Any, _unsupported((None, "none"), "tool_choice")] = None
 

@@ -388,7 +388,7 @@ def _engine(path, cfg, args: argparse.Namespace):
     try:
         model_cfg, weights = load_shard(path, cfg.dtype, group.tp)
         try:
-            engine = Engine(model_cfg, weights, rank_config(cfg, 0), tp=group.tp)
+            engine = Engine(model_cfg, weights, rank_config(cfg, 0), tp=group.tp, model_path=path)
         except ValueError as e:
             raise CLIError(str(e)) from e
         del weights

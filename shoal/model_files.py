@@ -90,6 +90,20 @@ def cache_entry(path: Path, kind: str) -> Path:
     return _cache_dir() / kind / key
 
 
+def tokenizer_json(path: Path) -> str:
+    """The model's tokenizer as Hugging Face's `tokenizer.json` text (read without importing
+    transformers when it is on disk: a model directory's own, or a GGUF file's cached by
+    `load_tokenizer`; else the one `load_tokenizer` builds).
+
+    Raises:
+        ModelNotFoundError: a model directory without `tokenizer.json`.
+    """
+    file = path / "tokenizer.json" if path.is_dir() else cache_entry(path, "tokenizers") / "tokenizer.json"
+    if file.is_file():
+        return file.read_text(encoding="utf-8")
+    return load_tokenizer(path).backend_tokenizer.to_str()
+
+
 def load_tokenizer(path: Path) -> Any:
     """The model's tokenizer with its chat template (a `transformers` fast tokenizer).
 

@@ -12,6 +12,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from shoal.structured_output import InvalidStructuredOutput, StructuredOutput
+
 CONTEXT_OVERFLOW = ("error", "reevaluate", "shift")
 MAX_TOP_LOGPROBS = 20  # most alternatives reported per token (OpenAI's chat API caps it there)
 
@@ -63,6 +65,9 @@ class SamplingParams:
         cache_salt: requests share cached prompt K/V (prefix caching) only with requests of
             the same salt (vLLM's `cache_salt`): a tenant's own salt keeps others from timing
             its prompts; None shares with every other unsalted request.
+        structured_output: None, or a constraint the generated text must match (JSON Schema,
+            regular expression, choice, grammar; `shoal.structured_output`): every sampled
+            token is one the constraint allows, and the request stops when it is complete.
     """
 
     max_tokens: int = 16
@@ -84,6 +89,7 @@ class SamplingParams:
     n_keep: int = 4
     n_discard: int | None = None
     cache_salt: str | None = None
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -131,6 +137,12 @@ class SamplingParams:
         if len({t for t, _ in bias}) < len(bias):
             raise InvalidSamplingParams("logit_bias names a token id twice")
         object.__setattr__(self, "logit_bias", bias)
+        if isinstance(self.structured_output, dict):  # from the wire (`to_dict`)
+            try:
+                object.__setattr__(self, "structured_output",
+                                   StructuredOutput(**self.structured_output))
+            except (TypeError, InvalidStructuredOutput) as e:
+                raise InvalidSamplingParams(f"structured_output: {e}") from e
 
     @property
     def greedy(self) -> bool:

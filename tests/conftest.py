@@ -161,13 +161,15 @@ def oracle(fp32_model):
 
 def make_engine(model, **kw) -> Engine:
     """An engine of `model` (config, weights); on the CPU unless `device` says otherwise (on a
-    machine with a GPU the engine's own default would be CUDA)."""
+    machine with a GPU the engine's own default would be CUDA). `model_path` gives it the
+    model's tokenizer (structured outputs)."""
     cfg, weights = model
     keep = kw.pop("keep_logits", False)
+    path = kw.pop("model_path", None)
     kw.setdefault("kv_cache_bytes", 256 << 20)
     kw.setdefault("dtype", torch.float32)
     kw.setdefault("device", "cpu")
-    return Engine(cfg, weights, EngineConfig(**kw), keep_logits=keep)
+    return Engine(cfg, weights, EngineConfig(**kw), keep_logits=keep, model_path=path)
 
 
 def tiny_config(**kw) -> ModelConfig:

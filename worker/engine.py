@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,6 +28,7 @@ from worker.loader import load_model
 from worker.model import LlamaModel
 from worker.sampler import Sampler, skip_draws
 from worker.speculative import propose_ngram
+from worker.structured_output import GrammarMasks, InvalidStructuredOutput, advance
 
 __all__ = ["Engine", "InvalidRequestError", "KVCacheFullError", "Sequence"]
 
@@ -61,6 +63,8 @@ class Sequence:
         num_cached_tokens: tokens it found in the prefix cache when it started.
         draft_token_ids: speculative tokens proposed for it in this iteration (checked by the
             forward pass after its last token; empty between iterations).
+        matcher: with a `structured_output`, its llguidance matcher after the tokens generated
+            so far (worker.structured_output); else None.
     """
 
     request_id: str
@@ -76,6 +80,7 @@ class Sequence:
     num_registered_blocks: int = 0
     num_cached_tokens: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
+    matcher: Any = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -108,11 +113,13 @@ class Engine:
         tp: rank 0 of a tensor-parallel group (worker.parallel), whose followers run every
             forward pass with it; `model_cfg` and `weights` are then rank 0's shard, and
             `--kv-cache-bytes` is each rank's budget for its K/V heads.
+        model_path: the model file or directory, whose tokenizer structured outputs are
+            compiled against; None refuses requests with a `structured_output`.
     """
 
     def __init__(
         self, model_cfg: ModelConfig, weights: dict[str, torch.Tensor], cfg: EngineConfig,
-        keep_logits: bool = False, tp=None,
+        keep_logits: bool = False, tp=None, model_path: Path | None = None,
     ) -> None:
         self.model_cfg = model_cfg
         self.cfg = cfg
@@ -132,6 +139,8 @@ class Engine:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, cfg.max_num_seqs,
                                               self.max_model_len)
         self.sampler = Sampler()
+        self.grammars = GrammarMasks(model_path, model_cfg.vocab_size, model_cfg.eos_token_id,
+                                     cfg.fast_paths)
         self.running: dict[str, Sequence] = {}
         self.keep_logits = keep_logits
         self.last_logits: dict[str, torch.Tensor] = {}
@@ -172,7 +181,7 @@ class Engine:
     def from_path(cls, path: Path, cfg: EngineConfig, **kw) -> Engine:
         """Load a model (GGUF file or Hugging Face directory) and build an engine around it."""
         model_cfg, weights = load_model(path, cfg.dtype)
-        return cls(model_cfg, weights, cfg, **kw)
+        return cls(model_cfg, weights, cfg, model_path=path, **kw)
 
     @property
     def num_free_blocks(self) -> int:
@@ -197,7 +206,8 @@ class Engine:
 
         Raises:
             InvalidRequestError: empty prompt, a token id outside the vocabulary, a prompt that
-                leaves no room in the context window, or a request id already running.
+                leaves no room in the context window, a request id already running, or a
+                structured output that does not compile or that its output so far breaks.
         """
         tokens = list(req.prompt_token_ids) + list(req.output_token_ids)
         if not req.prompt_token_ids:
@@ -238,6 +248,11 @@ class Engine:
                                       and p.prompt_logprobs is None))
         while overflow and seq.context_len >= self.max_model_len:  # a migrated long request
             seq.num_discarded += self.n_discard(p)
+        if p.structured_output is not None:
+            try:
+                seq.matcher = self.grammars.matcher(p.structured_output, req.output_token_ids)
+            except InvalidStructuredOutput as e:
+                raise InvalidRequestError(f"request {req.request_id}: {e}") from e
         self.running[req.request_id] = seq
         return seq
 
@@ -421,8 +436,9 @@ class Engine:
         """Set `s.draft_token_ids` (worker.speculative) and grow its table for them, as far as
         free blocks allow: drafts are an option, never a reason to preempt. None past
         `max_tokens` or the window (the tokens a pass yields are drafts kept plus one), and none
-        for requests that overflow the window (their blocks shift in place)."""
-        if s.params.context_overflow != "error":
+        for requests that overflow the window (their blocks shift in place) or have a structured
+        output (a draft is checked against the model, not against the constraint)."""
+        if s.params.context_overflow != "error" or s.matcher is not None:
             return
         room = min(spec.num_speculative_tokens, s.params.max_tokens - s.num_output_tokens - 1,
                    self.max_model_len - s.context_len - 1)
@@ -495,11 +511,11 @@ class Engine:
             hidden = hidden[: len(sample_rows)]
         if not samplers:
             return outputs
-        # Greedy rows that want no logprobs, ban no token and adjust no logit (bias, penalty)
-        # need only the argmax.
+        # Greedy rows that want no logprobs, ban no token, adjust no logit (bias, penalty) and
+        # have no structured output need only the argmax.
         seqs = [s for s, _ in samplers]
         full = (self.keep_logits or self.sampler.needs_logits([s.params for s in seqs])
-                or any(self._banned_tokens(s) for s in seqs))
+                or any(self._banned_tokens(s) or s.matcher is not None for s in seqs))
         logits, argmax = self.model.compute_logits(hidden, full)  # the sampling rows only
         # Sampling runs on the CPU: each request's seeded generator is a CPU generator, and the
         # rows that sample are few. (On the CPU these are no-ops.)
@@ -522,8 +538,13 @@ class Engine:
             for (s, r), tok, lp, top in zip(samplers, tokens, logprobs, tops):
                 index = s.num_output_tokens
                 s.token_ids.append(tok)
-                reason = self._finish_reason(s, tok)
-                outputs.append(TokenOutput(s.request_id, tok, index, lp, reason,
+                reason, error = self._finish_reason(s, tok), None
+                if reason is None and s.matcher is not None:
+                    try:
+                        reason = "stop" if advance(s.matcher, tok) else None
+                    except InvalidStructuredOutput as e:
+                        reason, error = "error", str(e)
+                outputs.append(TokenOutput(s.request_id, tok, index, lp, reason, error=error,
                                            num_cached_tokens=0 if index else s.num_cached_tokens,
                                            top_logprobs=top))
                 if reason is not None:
@@ -590,19 +611,23 @@ class Engine:
                 argmax: torch.Tensor) -> tuple[list[int], list[float | None], list[list | None]]:
         """One token for each of `seqs` from its logits row in `rows` (of `logits` `[rows,
         vocab]` float32, None when only the argmax `[rows]` int64 is needed): with its banned
-        tokens (`_banned_tokens`) and its history as it stands."""
+        tokens (`_banned_tokens`), within its structured output, and with its history as it
+        stands."""
         if rows != list(range(len(argmax))):  # a round of drafting requests: their rows only
             argmax = argmax[rows]
             logits = None if logits is None else logits[rows]
-        if logits is not None and self._suppress_early_stop(logits, seqs):
-            argmax = None  # banned tokens changed the rows: the sampler takes its own argmax
+        if logits is not None and (self._suppress_early_stop(logits, seqs)
+                                   | self.grammars.apply(logits, [s.matcher for s in seqs])):
+            argmax = None  # masks changed the rows: the sampler takes its own argmax
         return self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs], argmax,
                             [(s.token_ids, s.num_prompt_tokens) for s in seqs])
 
     def _banned_tokens(self, s: Sequence) -> list[int]:
         """`min_tokens`: before it is reached, EOS (unless ignored) and the stop tokens cannot be
-        sampled (as in vLLM); the token ids `s` may not sample now."""
-        if s.num_output_tokens >= s.params.min_tokens:
+        sampled (as in vLLM); the token ids `s` may not sample now. A structured output that
+        is complete may end sooner: its constraint may allow nothing else."""
+        if s.num_output_tokens >= s.params.min_tokens or (s.matcher is not None
+                                                          and s.matcher.is_accepting()):
             return []
         eos = self.model_cfg.eos_token_id
         return list(s.params.stop_token_ids) + (

@@ -210,6 +210,36 @@ def topk_rows(x: torch.Tensor, k: int, kernels: bool) -> tuple[torch.Tensor, tor
     return values, indices
 
 
+# Row k of `_BITS` holds byte k's 8 bits, least significant first.
+_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor,
+                         kernels: bool) -> None:
+    """Set to -inf, in place, every logit whose bit is clear in its row's token bitmask
+    (llguidance's layout: token 32 * w + j is bit j of int32 word w), and every logit past the
+    mask's width.
+
+    Args:
+        logits: `[num_rows, vocab]` float32 (contiguous for the kernel).
+        bitmask: `[n, words]` int32, one row for each of `rows`.
+        rows: `[n]` int64, the logits row each bitmask row masks.
+        kernels: use the C++ kernel (see `kernels_enabled`).
+
+    Raises:
+        RuntimeError: a row index out of range.
+    """
+    if kernels:
+        torch.ops.shoal.apply_token_bitmask_(logits, bitmask, rows)
+        return
+    # Little-endian int32 words: byte i of the mask covers tokens 8 * i to 8 * i + 7.
+    allowed = _BITS[bitmask.view(torch.uint8).long()].view(len(rows), -1)
+    vocab = logits.shape[1]
+    if allowed.shape[1] < vocab:
+        allowed = torch.cat([allowed, allowed.new_zeros(len(rows), vocab - allowed.shape[1])], 1)
+    logits[rows] = logits[rows].masked_fill_(~allowed[:, :vocab], float("-inf"))
+
+
 def candidate_logits(h: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor,
                      kernels: bool) -> torch.Tensor:
     """Each row's candidates' logits, recomputed exactly: `out[r, j] = h[r] . weight[idx[r, j]]`

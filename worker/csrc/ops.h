@@ -48,6 +48,9 @@ Tensor int4_linear(const Tensor& x, const Tensor& w, const Tensor& scale_min);
 Tensor int4_q8_linear(const Tensor& x, const Tensor& w, const Tensor& scale_min);
 #endif
 
+// bitmask.cpp
+void apply_token_bitmask_(Tensor logits, const Tensor& bitmask, const Tensor& rows);
+
 // topk.cpp
 std::tuple<Tensor, Tensor> topk_rows(const Tensor& x, int64_t k);
 Tensor candidate_logits(const Tensor& h, const Tensor& weight, const Tensor& idx);

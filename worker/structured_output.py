@@ -1,0 +1,127 @@
+"""Masks that keep each constrained request's next token within its structured output.
+
+Each request with a `structured_output` holds an llguidance matcher: the state of its
+constraint after the tokens it has generated. Before a row samples, the matcher gives the set of
+tokens that can continue the text toward a match (a bitmask, one bit a vocabulary entry) and the
+row's other logits become -inf; the sampled token then advances the matcher. When the
+constraint is complete and nothing can follow (`is_stopped`), the request finishes, as it would
+at its end-of-sequence token, the only token the mask would allow next.
+
+The tokenizer llguidance reads (every token's bytes) is built from the model's `tokenizer.json`
+once per worker, in a background thread started with the engine, so neither start-up nor the
+first constrained request waits for it in the common case.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from shoal.structured_output import InvalidStructuredOutput, StructuredOutput
+from worker import ops
+
+
+class GrammarMasks:
+    """Compiles constraints against the model's tokenizer and masks logits rows with them.
+
+    Args:
+        model_path: the model (GGUF file or Hugging Face directory) whose tokenizer the
+            constraints are compiled against; None serves no constraint (random-weight engines
+            of tests).
+        vocab_size: the model's vocabulary, in tokens (the logits' width).
+        eos_token_id: the token that ends a complete constraint.
+        fast_paths: mask through the C++ kernel where it is built (`worker.ops`).
+    """
+
+    def __init__(self, model_path: Path | None, vocab_size: int, eos_token_id: int | None,
+                 fast_paths: bool = True) -> None:
+        self.vocab_size = vocab_size
+        self.fast_paths = fast_paths
+        self._tokenizer = None
+        self._error: Exception | None = None
+        self._ready = threading.Event()
+        self._executor = None
+        if model_path is None:
+            self._error = InvalidStructuredOutput("this engine has no tokenizer to compile "
+                                                  "structured outputs against")
+            self._ready.set()
+        else:
+            threading.Thread(target=self._load, args=(model_path, eos_token_id), daemon=True,
+                             name="grammar-tokenizer").start()
+
+    def _load(self, model_path: Path, eos_token_id: int | None) -> None:
+        try:
+            import llguidance
+
+            from shoal.model_files import tokenizer_json
+
+            self._tokenizer = llguidance.LLTokenizer(tokenizer_json(model_path),
+                                                     n_vocab=self.vocab_size,
+                                                     eos_token=eos_token_id)
+            self._executor = llguidance.LLExecutor()
+        except Exception as e:  # reported to each constrained request, never to the others
+            self._error = e
+        finally:
+            self._ready.set()
+
+    def matcher(self, constraint: StructuredOutput, output_token_ids: Sequence[int]):
+        """A new llguidance `LLMatcher` for `constraint`, advanced past the tokens a resumed
+        request generated already (preempted or moved from a lost worker).
+
+        Raises:
+            InvalidStructuredOutput: the constraint does not compile, the tokenizer could not be
+                built, or the tokens so far break the constraint.
+        """
+        import llguidance
+
+        self._ready.wait()
+        if self._tokenizer is None:
+            raise InvalidStructuredOutput(f"structured outputs are unavailable: {self._error}")
+        m = llguidance.LLMatcher(self._tokenizer, constraint.grammar())
+        if m.is_error():
+            raise InvalidStructuredOutput(f"structured output: {m.get_error()}")
+        if output_token_ids and not m.consume_tokens(list(output_token_ids)):
+            raise InvalidStructuredOutput(f"structured output: the tokens generated so far do not "
+                                          f"match it ({m.get_error()})")
+        return m
+
+    @torch.inference_mode()  # the logits may be an inference tensor: written in place
+    def apply(self, logits: torch.Tensor, matchers: Sequence) -> bool:
+        """Set every logit a row's constraint does not allow next to -inf, in place.
+
+        Args:
+            logits: `[rows, vocab_size]` float32 on the CPU.
+            matchers: each row's `LLMatcher`, or None for an unconstrained row.
+
+        Returns:
+            Whether any row was constrained.
+        """
+        rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return False
+        import llguidance.torch
+
+        words = -(-self.vocab_size // 32)
+        bitmask = torch.empty(len(rows), words, dtype=torch.int32)
+        # Rows of several requests are filled on llguidance's own thread pool.
+        llguidance.torch.fill_next_token_bitmask_par(
+            self._executor, [(m, k) for k, (m, _) in enumerate(rows)], bitmask)
+        kernels = self.fast_paths and logits.is_contiguous() and ops.kernels_enabled(torch.float32)
+        ops.apply_token_bitmask_(logits, bitmask, torch.tensor([i for _, i in rows]), kernels)
+        return True
+
+
+def advance(matcher, token: int) -> bool:
+    """Feed a sampled `token` to a request's matcher. Returns True when the constraint is
+    complete and nothing may follow (the request stops).
+
+    Raises:
+        InvalidStructuredOutput: the token breaks the constraint (a mask was not applied).
+    """
+    if not matcher.consume_token(token):
+        raise InvalidStructuredOutput(f"structured output: token {token} does not match it "
+                                      f"({matcher.get_error()})")
+    return matcher.is_stopped()
