@@ -28,7 +28,12 @@ from worker.loader import load_model
 from worker.model import LlamaModel
 from worker.sampler import Sampler, skip_draws
 from worker.speculative import propose_ngram
-from worker.structured_output import GrammarMasks, InvalidStructuredOutput, advance
+from worker.structured_output import (
+    GrammarMasks,
+    InvalidStructuredOutput,
+    PendingMasks,
+    advance,
+)
 
 __all__ = ["Engine", "InvalidRequestError", "KVCacheFullError", "Sequence"]
 
@@ -480,6 +485,9 @@ class Engine:
                     scored.append((s, start, n))
                     score_rows += range(first, first + n)
             positions += range(start, start + c)
+        # The structured outputs' masks of this iteration's first sampling round are computed
+        # while the model runs.
+        masks = self.grammars.prepare([s.matcher for s, _ in samplers])
         tables, lens = [s.block_table for s in plain], [s.num_computed_tokens + 1 for s in plain]
         graphs = self.decode_graphs
         if (graphs is not None and not chunks
@@ -533,7 +541,8 @@ class Engine:
         kept = {s.request_id: 0 for s, _ in samplers}
         while samplers:
             tokens, logprobs, tops = self._sample([s for s, _ in samplers],
-                                                  [r for _, r in samplers], logits, argmax)
+                                                  [r for _, r in samplers], logits, argmax, masks)
+            masks = None  # later rounds are drafting requests', which have no constraint
             going_on = []
             for (s, r), tok, lp, top in zip(samplers, tokens, logprobs, tops):
                 index = s.num_output_tokens
@@ -608,16 +617,17 @@ class Engine:
             self._register_full_blocks(s)
 
     def _sample(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor | None,
-                argmax: torch.Tensor) -> tuple[list[int], list[float | None], list[list | None]]:
+                argmax: torch.Tensor, masks: PendingMasks | None = None
+                ) -> tuple[list[int], list[float | None], list[list | None]]:
         """One token for each of `seqs` from its logits row in `rows` (of `logits` `[rows,
         vocab]` float32, None when only the argmax `[rows]` int64 is needed): with its banned
-        tokens (`_banned_tokens`), within its structured output, and with its history as it
-        stands."""
+        tokens (`_banned_tokens`), within its structured output (`masks`, for `seqs` in order),
+        and with its history as it stands."""
         if rows != list(range(len(argmax))):  # a round of drafting requests: their rows only
             argmax = argmax[rows]
             logits = None if logits is None else logits[rows]
         if logits is not None and (self._suppress_early_stop(logits, seqs)
-                                   | self.grammars.apply(logits, [s.matcher for s in seqs])):
+                                   | self.grammars.apply(logits, masks)):
             argmax = None  # masks changed the rows: the sampler takes its own argmax
         return self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs], argmax,
                             [(s.token_ids, s.num_prompt_tokens) for s in seqs])

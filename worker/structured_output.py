@@ -2,8 +2,9 @@
 
 Each request with a `structured_output` holds an llguidance matcher: the state of its
 constraint after the tokens it has generated. Before a row samples, the matcher gives the set of
-tokens that can continue the text toward a match (a bitmask, one bit a vocabulary entry) and the
-row's other logits become -inf; the sampled token then advances the matcher. When the
+tokens that can continue the text toward a match (a bitmask, one bit a vocabulary entry),
+computed while the forward pass runs (`prepare`), and the row's other logits become -inf
+(`apply`); the sampled token then advances the matcher. When the
 constraint is complete and nothing can follow (`is_stopped`), the request finishes, as it would
 at its end-of-sequence token, the only token the mask would allow next.
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,6 +47,7 @@ class GrammarMasks:
         self._error: Exception | None = None
         self._ready = threading.Event()
         self._executor = None
+        self._pool: ThreadPoolExecutor | None = None
         if model_path is None:
             self._error = InvalidStructuredOutput("this engine has no tokenizer to compile "
                                                   "structured outputs against")
@@ -88,30 +92,64 @@ class GrammarMasks:
                                           f"match it ({m.get_error()})")
         return m
 
-    @torch.inference_mode()  # the logits may be an inference tensor: written in place
-    def apply(self, logits: torch.Tensor, matchers: Sequence) -> bool:
-        """Set every logit a row's constraint does not allow next to -inf, in place.
+    def prepare(self, matchers: Sequence) -> PendingMasks | None:
+        """Start computing the masks of the rows that have a matcher, on a thread of their own
+        (llguidance releases the GIL), so that they are built while the forward pass runs: the
+        masks follow from the tokens so far, not from this iteration's logits.
 
         Args:
-            logits: `[rows, vocab_size]` float32 on the CPU.
-            matchers: each row's `LLMatcher`, or None for an unconstrained row.
+            matchers: each sampling row's `LLMatcher`, or None for an unconstrained row.
+
+        Returns:
+            The masks being computed, for `apply`; None when no row is constrained.
+        """
+        rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return None
+        import llguidance.torch
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+        bitmask = torch.empty(len(rows), -(-self.vocab_size // 32), dtype=torch.int32)
+        # Rows of several requests are filled on llguidance's own thread pool.
+        done = self._pool.submit(llguidance.torch.fill_next_token_bitmask_par, self._executor,
+                                 [(m, k) for k, (m, _) in enumerate(rows)], bitmask)
+        return PendingMasks(torch.tensor([i for _, i in rows]), bitmask, done)
+
+    @torch.inference_mode()  # the logits may be an inference tensor: written in place
+    def apply(self, logits: torch.Tensor, pending: PendingMasks | None) -> bool:
+        """Set every logit a row's constraint does not allow next to -inf, in place, once the
+        masks `prepare` started are ready.
+
+        Args:
+            logits: `[rows, vocab_size]` float32 on the CPU, in the rows `prepare` was given.
+            pending: what `prepare` returned.
 
         Returns:
             Whether any row was constrained.
         """
-        rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
-        if not rows:
+        if pending is None:
             return False
-        import llguidance.torch
-
-        words = -(-self.vocab_size // 32)
-        bitmask = torch.empty(len(rows), words, dtype=torch.int32)
-        # Rows of several requests are filled on llguidance's own thread pool.
-        llguidance.torch.fill_next_token_bitmask_par(
-            self._executor, [(m, k) for k, (m, _) in enumerate(rows)], bitmask)
+        pending.done.result()
         kernels = self.fast_paths and logits.is_contiguous() and ops.kernels_enabled(torch.float32)
-        ops.apply_token_bitmask_(logits, bitmask, torch.tensor([i for _, i in rows]), kernels)
+        ops.apply_token_bitmask_(logits, pending.bitmask, pending.rows, kernels)
         return True
+
+
+@dataclass
+class PendingMasks:
+    """Masks being computed (`GrammarMasks.prepare`).
+
+    Attributes:
+        rows: `[n]` int64, the sampling rows they mask.
+        bitmask: `[n, ceil(vocab_size / 32)]` int32, llguidance's layout (token 32 * w + j is
+            bit j of word w), filled when `done` is.
+        done: the computation.
+    """
+
+    rows: torch.Tensor
+    bitmask: torch.Tensor
+    done: Future
 
 
 def advance(matcher, token: int) -> bool:
