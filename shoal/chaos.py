@@ -19,7 +19,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from shoal.fleet import free_port, shoal_command, start_redis, stop_all, wait_ready, worker_env
+from shoal.fleet import (
+    free_ports,
+    shoal_command,
+    start_redis,
+    stop_all,
+    wait_ready,
+    worker_env,
+)
 
 
 @dataclass
@@ -68,7 +75,7 @@ def run_chaos(num_requests: int, workers: int, max_tokens: int, kill_interval_s:
     limit) stops the worker kills after that many, so that how many a request can meet does
     not grow with the run's length (past --max-migrations it fails, as it should)."""
     rng = random.Random(seed)
-    rport, gport = free_port(), free_port()
+    rport, gport = free_ports(2)
     redis_proc = start_redis(rport)
     redis_url = f"redis://127.0.0.1:{rport}/0"
     worker_args = ["--dtype", dtype, "--kv-cache-bytes", str(256 << 20), "--threads", "1"]

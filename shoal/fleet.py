@@ -8,6 +8,7 @@ leaving no process behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -22,10 +23,21 @@ from pathlib import Path
 from typing import IO
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` distinct TCP ports free on 127.0.0.1 now. Every socket stays bound until all are
+    chosen: ports taken one at a time may repeat (a fleet's gateway and its scheduler's metrics
+    were once given the same one, and the gateway's health check was answered by the metrics
+    server)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now."""
+    return free_ports(1)[0]
 
 
 def redis_server_binary() -> str:

@@ -56,9 +56,9 @@ def running_fleet(worker_args: tuple[str, ...] = (), scheduler_log=None,
     given; `gateway_args` are added to the gateway's command line."""
     import subprocess
 
-    from shoal.fleet import free_port, shoal_command, start_redis, stop_all, wait_ready, worker_env
+    from shoal.fleet import free_ports, shoal_command, start_redis, stop_all, wait_ready, worker_env
 
-    rport, gport, sport, wport = free_port(), free_port(), free_port(), free_port()
+    rport, gport, sport, wport = free_ports(4)
     redis_proc = start_redis(rport)
     url = f"redis://127.0.0.1:{rport}/0"
 

@@ -13,7 +13,14 @@ import httpx
 import pytest
 import torch
 
-from shoal.fleet import free_port, shoal_command, start_redis, stop_all, wait_ready, worker_env
+from shoal.fleet import (
+    free_ports,
+    shoal_command,
+    start_redis,
+    stop_all,
+    wait_ready,
+    worker_env,
+)
 from tests import tp_probe
 from tests.conftest import make_engine
 from worker.config import ModelConfig
@@ -68,7 +75,7 @@ def _follower_pids(pid: int) -> list[int]:
 
 @pytest.mark.slow
 def test_tensor_parallel_worker_serves_and_losing_a_rank_migrates_its_requests(tokenizer):
-    rport, gport = free_port(), free_port()
+    rport, gport = free_ports(2)
     redis_proc = start_redis(rport)
     url = f"redis://127.0.0.1:{rport}/0"
     base = f"http://127.0.0.1:{gport}"
