@@ -26,6 +26,7 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.datastructures import Headers
@@ -83,11 +84,17 @@ except ImportError:  # redis-py without DriverInfo reads its version once, at im
 
 @dataclass
 class Prepared:
+    """One request ready for the fleet, with what the gateway itself does to its text: cut it at
+    `stops` (keeping the stop string with `include_stop_str`), and leave special tokens out
+    unless `skip_special_tokens` is False."""
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     stops: list[str]
     priority: int = 0
+    include_stop_str: bool = False
+    skip_special_tokens: bool = True
 
 
 @dataclass
@@ -105,10 +112,12 @@ class _Choice:
 
 
 class StopMatcher:
-    """Cuts the text at the first stop string; holds back a tail that could start one."""
+    """Cuts the text at the first stop string (after it with `include`); holds back a tail that
+    could start one."""
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], include: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.include = include
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.buffer = ""
 
@@ -118,7 +127,7 @@ class StopMatcher:
         for s in self.stops:
             i = self.buffer.find(s)
             if i >= 0:
-                out, self.buffer = self.buffer[:i], ""
+                out, self.buffer = self.buffer[: i + len(s) if self.include else i], ""
                 return out, True
         if self.hold and len(self.buffer) > self.hold:
             out, self.buffer = self.buffer[: -self.hold], self.buffer[-self.hold :]
@@ -230,8 +239,16 @@ class Gateway:
                                f"({self.max_overflow_windows} context windows)", param="max_tokens")
             max_tokens = max_tokens or room
         try:
+            for name in ("stop_token_ids", "allowed_token_ids"):
+                self.check_token_ids(getattr(req, name) or [], name)
+            structured = self._structured_output(req)
+            if structured is not None and req.allowed_token_ids:
+                raise APIError("allowed_token_ids cannot be combined with a structured output",
+                               param="allowed_token_ids")
             return SamplingParams(max_tokens=max_tokens, temperature=req.temperature,
                                   top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed,
+                                  stop_token_ids=tuple(req.stop_token_ids or ()),
+                                  allowed_token_ids=tuple(req.allowed_token_ids or ()),
                                   ignore_eos=req.ignore_eos,
                                   min_tokens=min(req.min_tokens, max_tokens), logprobs=logprobs,
                                   top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
@@ -241,7 +258,7 @@ class Gateway:
                                   logit_bias=self._logit_bias(req.logit_bias),
                                   context_overflow=req.context_overflow, n_keep=req.n_keep,
                                   n_discard=req.n_discard, cache_salt=req.cache_salt,
-                                  structured_output=self._structured_output(req))
+                                  structured_output=structured)
         except InvalidSamplingParams as e:
             raise APIError(str(e)) from e
 
@@ -299,12 +316,17 @@ class Gateway:
         rid = f"cmpl-{uuid.uuid4().hex}"
         out = []
         for k, item in enumerate(batch):
-            ids = self.prompt_ids(item)
+            ids = _truncate(self.prompt_ids(item), req.truncate_prompt_tokens)
             params = self._params(req, req.max_tokens, len(ids), req.logprobs is not None,
                                   req.logprobs or 0, req.logprobs if req.echo else None)
-            out.append(Prepared(rid if len(batch) == 1 else f"{rid}-{k}", ids, params,
-                                _stops(req.stop), req.priority))
+            out.append(self._prepared(rid if len(batch) == 1 else f"{rid}-{k}", ids, params, req))
         return rid, out
+
+    @staticmethod
+    def _prepared(request_id: str, ids: list[int], params: SamplingParams,
+                  req: GenerationRequest) -> Prepared:
+        return Prepared(request_id, ids, params, _stops(req.stop), req.priority,
+                        req.include_stop_str_in_output, req.skip_special_tokens)
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """One prompt's token ids.
@@ -338,21 +360,44 @@ class Gateway:
         character shows as U+FFFD)."""
         return self.tokenizer.decode([token_id])
 
-    def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
+    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                 continue_final_message: bool = False,
+                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The token ids a chat request's prompt is: the model's chat template over the
-        messages, with the assistant's turn opened."""
-        return list(self.tokenizer.apply_chat_template(
-            [m.for_template() for m in messages], add_generation_prompt=True, tokenize=True,
-            return_dict=True)["input_ids"])
+        messages, with the assistant's turn opened (`add_generation_prompt`), or the last
+        message left open for the model to go on with (`continue_final_message`, as vLLM's);
+        `template_kwargs` are more variables for the template.
+
+        Raises:
+            APIError: both options at once, a template variable that is one of
+                `apply_chat_template`'s own arguments, or a template that fails on the
+                messages.
+        """
+        if add_generation_prompt and continue_final_message:
+            raise APIError("add_generation_prompt and continue_final_message cannot both be true",
+                           param="continue_final_message")
+        kwargs = dict(template_kwargs or {})
+        if reserved := sorted(kwargs.keys() & _TEMPLATE_ARGUMENTS):
+            raise APIError(f"chat_template_kwargs may not set {', '.join(reserved)}",
+                           param="chat_template_kwargs")
+        try:
+            return list(self.tokenizer.apply_chat_template(
+                [m.for_template() for m in messages], add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=True, return_dict=True,
+                **kwargs)["input_ids"])
+        except (ValueError, TemplateError) as e:  # jinja's, or transformers' own checks
+            raise APIError(f"the chat template cannot render these messages: {e}",
+                           param="messages") from e
 
     def prepare_chat(self, req: ChatRequest) -> Prepared:
-        ids = self.chat_ids(req.messages)
+        ids = _truncate(self.chat_ids(req.messages, req.add_generation_prompt,
+                                      req.continue_final_message, req.chat_template_kwargs),
+                        req.truncate_prompt_tokens)
         if req.top_logprobs and not req.logprobs:
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
         params = self._params(req, req.max_completion_tokens or req.max_tokens, len(ids),
                               req.logprobs, req.top_logprobs or 0)
-        return Prepared(f"chatcmpl-{uuid.uuid4().hex}", ids, params, _stops(req.stop),
-                        req.priority)
+        return self._prepared(f"chatcmpl-{uuid.uuid4().hex}", ids, params, req)
 
     @staticmethod
     def choices(prompts: list[Prepared], n: int) -> list[Prepared]:
@@ -361,9 +406,10 @@ class Gateway:
         when seeded, seed + i (unseeded choices draw seeds of their own)."""
         if n == 1:
             return prompts
-        return [Prepared(f"{p.request_id}-{i}", p.prompt_ids,
-                         replace(p.params, seed=None if p.params.seed is None else p.params.seed + i),
-                         p.stops, p.priority) for p in prompts for i in range(n)]
+        return [replace(p, request_id=f"{p.request_id}-{i}",
+                        params=replace(p.params,
+                                       seed=None if p.params.seed is None else p.params.seed + i))
+                for p in prompts for i in range(n)]
 
     # -- running a request ----------------------------------------------------------------------
 
@@ -387,8 +433,8 @@ class Gateway:
             pipe = self.redis.pipeline(transaction=False)
             pipe.xadd(self.keys.requests, {"m": encode(sub)})
             await self._ring(pipe).execute()
-            detok = IncrementalDetokenizer(self.tokenizer)
-            stops = StopMatcher(p.stops)
+            detok = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens)
+            stops = StopMatcher(p.stops, p.include_stop_str)
             next_index = 0
             while True:
                 ev = await q.get()
@@ -536,7 +582,20 @@ class Gateway:
 
 
 # Served without a key: probes, and the pages (which send the key the user types with each call).
-PUBLIC_PATHS = ("/healthz", "/readyz", "/", "/fleet", "/shoal.css")
+PUBLIC_PATHS = ("/healthz", "/health", "/readyz", "/", "/fleet", "/shoal.css")
+
+
+# `apply_chat_template`'s own arguments, which `chat_template_kwargs` may not pass as template
+# variables.
+_TEMPLATE_ARGUMENTS = {"conversation", "tools", "documents", "chat_template",
+                       "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                       "truncation", "max_length", "return_tensors", "return_dict",
+                       "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
+def _truncate(ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (all when None)."""
+    return ids if keep is None else ids[-keep:]
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
@@ -799,6 +858,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         await gw.charge(key, sum(len(p.prompt_ids) + p.params.max_tokens for p in ps), settings)
 
     @app.get("/healthz")
+    @app.get("/health", description="vLLM's name for /healthz")
     async def healthz():
         return {"status": "ok"}
 

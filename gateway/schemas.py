@@ -143,6 +143,7 @@ INT32_MAX = 2**31 - 1  # bounds that every part (msgpack, torch) can carry
 MAX_CHOICES = 16  # most choices (`n`) of one request
 MAX_PROMPTS = 64  # most prompts of one completions request
 MAX_REQUESTS = 256  # most requests (prompts x choices) one API request becomes in the fleet
+MAX_TOKEN_LIST = 4096  # most token ids in stop_token_ids or allowed_token_ids
 
 
 class GenerationRequest(BaseModel):
@@ -192,6 +193,19 @@ class GenerationRequest(BaseModel):
     structured_outputs: StructuredOutputs | None = Field(
         default=None, description="vLLM's structured outputs: a JSON Schema, a regular "
         "expression, a choice of strings or a Lark grammar the output matches")
+    # vLLM's extra sampling and output parameters.
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(
+        default=None, max_length=MAX_TOKEN_LIST,
+        description="token ids that end the request (kept in its tokens)")
+    include_stop_str_in_output: bool = Field(
+        default=False, description="keep the stop string that ended the text")
+    skip_special_tokens: bool = Field(
+        default=True, description="leave special tokens such as <|im_end|> out of the text")
+    allowed_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_TOKEN_LIST,
+        description="sample only among these token ids")
+    truncate_prompt_tokens: int | None = Field(
+        default=None, ge=1, le=INT32_MAX, description="keep only the prompt's last k tokens")
 
 
 def _unsupported(allowed: tuple, what: str) -> AfterValidator:
@@ -285,6 +299,13 @@ class ChatRequest(GenerationRequest):
                                      description="with logprobs: this many most likely tokens at "
                                      "each step")
     tools: Annotated[list[Any] | None, _unsupported((None, []), "tools (tool calls)")] = None
+    add_generation_prompt: bool = Field(
+        default=True, description="open the assistant's turn after the messages (vLLM's)")
+    continue_final_message: bool = Field(
+        default=False, description="leave the last message open for the model to go on with, "
+        "as a prefix of its reply (vLLM's; needs add_generation_prompt false)")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="more variables for the chat template (vLLM's)")
     tool_choice: Annotated[Any, _unsupported((None, "none"), "tool_choice")] = None
 
 

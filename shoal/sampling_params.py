@@ -65,6 +65,8 @@ class SamplingParams:
         cache_salt: requests share cached prompt K/V (prefix caching) only with requests of
             the same salt (vLLM's `cache_salt`): a tenant's own salt keeps others from timing
             its prompts; None shares with every other unsalted request.
+        allowed_token_ids: when given, the only token ids the request may sample (vLLM's
+            `allowed_token_ids`); empty allows all.
         structured_output: None, or a constraint the generated text must match (JSON Schema,
             regular expression, choice, grammar; `shoal.structured_output`): every sampled
             token is one the constraint allows, and the request stops when it is complete.
@@ -89,6 +91,7 @@ class SamplingParams:
     n_keep: int = 4
     n_discard: int | None = None
     cache_salt: str | None = None
+    allowed_token_ids: tuple[int, ...] = field(default_factory=tuple)
     structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
@@ -131,6 +134,10 @@ class SamplingParams:
         if self.cache_salt is not None and not self.cache_salt:
             raise InvalidSamplingParams("cache_salt must be a non-empty string when given")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "allowed_token_ids",
+                           tuple(int(t) for t in self.allowed_token_ids))
+        if any(t < 0 for t in self.allowed_token_ids):
+            raise InvalidSamplingParams("allowed_token_ids must be token ids (>= 0)")
         bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias):
             raise InvalidSamplingParams("logit_bias maps token ids (>= 0) to biases in [-100, 100]")
@@ -158,6 +165,7 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["allowed_token_ids"] = list(self.allowed_token_ids)
         d["logit_bias"] = [list(pair) for pair in self.logit_bias]  # msgpack maps want str keys
         return d
 

@@ -220,11 +220,11 @@ class Engine:
         if req.request_id in self.running:
             raise InvalidRequestError(f"request {req.request_id} is already running")
         vocab = self.model_cfg.vocab_size
-        biased = (t for t, _ in req.params.logit_bias)
-        if any(t < 0 or t >= vocab for t in tokens) or any(t >= vocab for t in biased):
+        named = [t for t, _ in req.params.logit_bias] + list(req.params.allowed_token_ids)
+        if any(t < 0 or t >= vocab for t in tokens) or any(t >= vocab for t in named):
             raise InvalidRequestError(
-                f"request {req.request_id}: token ids (of the prompt, the output and logit_bias) "
-                f"must be in [0, {vocab})"
+                f"request {req.request_id}: token ids (of the prompt, the output, logit_bias and "
+                f"allowed_token_ids) must be in [0, {vocab})"
             )
         p = req.params
         overflow = p.context_overflow != "error"
@@ -520,10 +520,11 @@ class Engine:
         if not samplers:
             return outputs
         # Greedy rows that want no logprobs, ban no token, adjust no logit (bias, penalty) and
-        # have no structured output need only the argmax.
+        # have no structured output nor allowed tokens need only the argmax.
         seqs = [s for s, _ in samplers]
         full = (self.keep_logits or self.sampler.needs_logits([s.params for s in seqs])
-                or any(self._banned_tokens(s) or s.matcher is not None for s in seqs))
+                or any(self._banned_tokens(s) or s.matcher is not None
+                       or s.params.allowed_token_ids for s in seqs))
         logits, argmax = self.model.compute_logits(hidden, full)  # the sampling rows only
         # Sampling runs on the CPU: each request's seeded generator is a CPU generator, and the
         # rows that sample are few. (On the CPU these are no-ops.)
@@ -620,13 +621,13 @@ class Engine:
                 argmax: torch.Tensor, masks: PendingMasks | None = None
                 ) -> tuple[list[int], list[float | None], list[list | None]]:
         """One token for each of `seqs` from its logits row in `rows` (of `logits` `[rows,
-        vocab]` float32, None when only the argmax `[rows]` int64 is needed): with its banned
-        tokens (`_banned_tokens`), within its structured output (`masks`, for `seqs` in order),
+        vocab]` float32, None when only the argmax `[rows]` int64 is needed): within its allowed
+        tokens and without its banned ones (`_restrict`), within its structured output (`masks`, for `seqs` in order),
         and with its history as it stands."""
         if rows != list(range(len(argmax))):  # a round of drafting requests: their rows only
             argmax = argmax[rows]
             logits = None if logits is None else logits[rows]
-        if logits is not None and (self._suppress_early_stop(logits, seqs)
+        if logits is not None and (self._restrict(logits, seqs)
                                    | self.grammars.apply(logits, masks)):
             argmax = None  # masks changed the rows: the sampler takes its own argmax
         return self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs], argmax,
@@ -635,20 +636,29 @@ class Engine:
     def _banned_tokens(self, s: Sequence) -> list[int]:
         """`min_tokens`: before it is reached, EOS (unless ignored) and the stop tokens cannot be
         sampled (as in vLLM); the token ids `s` may not sample now. A structured output that
-        is complete may end sooner: its constraint may allow nothing else."""
+        is complete may end sooner, as may a request whose `allowed_token_ids` hold nothing
+        else: their constraint may allow nothing else."""
         if s.num_output_tokens >= s.params.min_tokens or (s.matcher is not None
                                                           and s.matcher.is_accepting()):
             return []
         eos = self.model_cfg.eos_token_id
-        return list(s.params.stop_token_ids) + (
+        banned = list(s.params.stop_token_ids) + (
             [eos] if eos is not None and not s.params.ignore_eos else [])
+        allowed = s.params.allowed_token_ids
+        return banned if not allowed or set(allowed) - set(banned) else []
 
     @torch.inference_mode()  # the logits are an inference tensor: written in place only here
-    def _suppress_early_stop(self, logits: torch.Tensor, samplers: list[Sequence]) -> bool:
-        """Set the logits of each row's banned tokens (`_banned_tokens`) to -inf. Returns True
-        when a logit was changed."""
+    def _restrict(self, logits: torch.Tensor, samplers: list[Sequence]) -> bool:
+        """Set to -inf the logits of each row's tokens outside its `allowed_token_ids`, then of
+        its banned tokens (`_banned_tokens`). Returns True when a logit was changed."""
         changed = False
         for i, s in enumerate(samplers):
+            if allowed := s.params.allowed_token_ids:
+                keep = torch.tensor(allowed)
+                kept = logits[i, keep]
+                logits[i].fill_(float("-inf"))
+                logits[i, keep] = kept
+                changed = True
             if banned := self._banned_tokens(s):
                 logits[i, banned] = float("-inf")
                 changed = True
