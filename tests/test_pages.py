@@ -4,6 +4,7 @@ $SHOAL_TEST_ARTIFACTS (default: test-artifacts/)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -78,6 +79,23 @@ def test_playground_streams_the_greedy_reply(fleet, page):
     assert "TTFT" in status.text_content() and "tokens/s" in status.text_content()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "playground.png"), full_page=True)
+
+
+def test_playground_asks_for_a_json_reply(fleet, page):
+    """The reply format control sends `response_format: json_object`: the reply the page shows is
+    the API's constrained one, and JSON."""
+    prompt = "Return a JSON object with one key, answer, holding the capital of France."
+    expected = httpx.post(fleet["url"] + "/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": prompt}], "max_tokens": 64, "temperature": 0,
+        "response_format": {"type": "json_object"}}).json()["choices"][0]["message"]["content"]
+    page.goto(fleet["url"] + "/")
+    page.get_by_label("Message").fill(prompt)
+    page.get_by_label("Max tokens").fill("64")
+    page.get_by_label("Reply format").select_option("json_object")
+    page.get_by_label("Message").press("Control+Enter")
+    sync_api.expect(page.get_by_role("status")).to_contain_text("Done", timeout=120_000)
+    assert page.locator("#reply").text_content() == expected
+    assert isinstance(json.loads(expected), dict)
 
 
 def test_stop_cancels_the_request_and_frees_its_blocks(fleet, page):
