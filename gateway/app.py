@@ -51,6 +51,7 @@ from gateway.schemas import (
     error_responses,
     invalid_request,
 )
+from gateway.tools import ToolCalls
 from shoal.detokenizer import IncrementalDetokenizer
 from shoal.keys import Keys
 from shoal.messages import (
@@ -86,7 +87,7 @@ except ImportError:  # redis-py without DriverInfo reads its version once, at im
 class Prepared:
     """One request ready for the fleet, with what the gateway itself does to its text: cut it at
     `stops` (keeping the stop string with `include_stop_str`), and leave special tokens out
-    unless `skip_special_tokens` is False."""
+    unless `skip_special_tokens` is False; with `tools`, its text is tool calls."""
 
     request_id: str
     prompt_ids: list[int]
@@ -95,6 +96,7 @@ class Prepared:
     priority: int = 0
     include_stop_str: bool = False
     skip_special_tokens: bool = True
+    tools: ToolCalls | None = None
 
 
 @dataclass
@@ -220,8 +222,8 @@ class Gateway:
     # -- request preparation ------------------------------------------------------------------
 
     def _params(self, req: GenerationRequest, max_tokens: int | None, prompt_len: int,
-                logprobs: bool, top_logprobs: int = 0,
-                prompt_logprobs: int | None = None) -> SamplingParams:
+                logprobs: bool, top_logprobs: int = 0, prompt_logprobs: int | None = None,
+                constraint: StructuredOutput | None = None) -> SamplingParams:
         self.check_model(req.model)
         room = self.max_model_len - prompt_len
         if room < 1:
@@ -241,7 +243,7 @@ class Gateway:
         try:
             for name in ("stop_token_ids", "allowed_token_ids"):
                 self.check_token_ids(getattr(req, name) or [], name)
-            structured = self._structured_output(req)
+            structured = constraint or self._structured_output(req)
             if structured is not None and req.allowed_token_ids:
                 raise APIError("allowed_token_ids cannot be combined with a structured output",
                                param="allowed_token_ids")
@@ -362,11 +364,13 @@ class Gateway:
 
     def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                  continue_final_message: bool = False,
-                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                 template_kwargs: dict[str, Any] | None = None,
+                 tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The token ids a chat request's prompt is: the model's chat template over the
         messages, with the assistant's turn opened (`add_generation_prompt`), or the last
         message left open for the model to go on with (`continue_final_message`, as vLLM's);
-        `template_kwargs` are more variables for the template.
+        `template_kwargs` are more variables for the template, and `tools` the functions it
+        may show the model (templates without tool support leave them out).
 
         Raises:
             APIError: both options at once, a template variable that is one of
@@ -383,21 +387,26 @@ class Gateway:
         try:
             return list(self.tokenizer.apply_chat_template(
                 [m.for_template() for m in messages], add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=True, return_dict=True,
-                **kwargs)["input_ids"])
+                continue_final_message=continue_final_message, tools=tools, tokenize=True,
+                return_dict=True, **kwargs)["input_ids"])
         except (ValueError, TemplateError) as e:  # jinja's, or transformers' own checks
             raise APIError(f"the chat template cannot render these messages: {e}",
                            param="messages") from e
 
     def prepare_chat(self, req: ChatRequest) -> Prepared:
-        ids = _truncate(self.chat_ids(req.messages, req.add_generation_prompt,
-                                      req.continue_final_message, req.chat_template_kwargs),
-                        req.truncate_prompt_tokens)
+        tools = ToolCalls.of(req)
+        ids = _truncate(self.chat_ids(
+            req.messages, req.add_generation_prompt, req.continue_final_message,
+            req.chat_template_kwargs,
+            [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None),
+            req.truncate_prompt_tokens)
         if req.top_logprobs and not req.logprobs:
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
         params = self._params(req, req.max_completion_tokens or req.max_tokens, len(ids),
-                              req.logprobs, req.top_logprobs or 0)
-        return self._prepared(f"chatcmpl-{uuid.uuid4().hex}", ids, params, req)
+                              req.logprobs, req.top_logprobs or 0,
+                              constraint=tools.constraint if tools else None)
+        return replace(self._prepared(f"chatcmpl-{uuid.uuid4().hex}", ids, params, req),
+                       tools=tools)
 
     @staticmethod
     def choices(prompts: list[Prepared], n: int) -> list[Prepared]:
@@ -1007,19 +1016,37 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
             return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]}
                                 for t, lp, top in zip(ids, lps, tops or [[]] * len(ids))]}
 
+        tools = p.tools
         if req.stream:
-            return _EventStream(_chunks([p], ps, base, req, lambda i, piece, ev: {
-                "index": i, "delta": {"content": piece} if piece else {},
-                "logprobs": logprobs(ev.token_ids, ev.logprobs, ev.top_logprobs),
-                "finish_reason": _finish(ev)}, first=lambda i: {**base, "choices": [{
-                    "index": i, "delta": {"role": "assistant", "content": ""},
-                    "finish_reason": None}]}))
+            texts = [""] * len(ps)  # each choice's text so far (tool calls are built from it)
+
+            def chunk(i: int, piece: str, ev: TokenEvent) -> dict[str, Any]:
+                reason = _finish(ev)
+                delta: dict[str, Any] | None = {"content": piece} if piece else {}
+                if tools is not None:
+                    texts[i] += piece
+                    delta = tools.delta(i, piece, texts[i], reason is not None) or {}
+                    reason = tools.finish_reason(reason, delta.get("tool_calls"))
+                return {"index": i, "delta": delta,
+                        "logprobs": logprobs(ev.token_ids, ev.logprobs, ev.top_logprobs),
+                        "finish_reason": reason}
+            return _EventStream(_chunks([p], ps, base, req, chunk, first=lambda i: {
+                **base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                     "finish_reason": None}]}))
         done = await _collect(ps)
+
+        def choice(i: int, c: _Choice) -> dict[str, Any]:
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            reason = _finish(c.last)
+            if tools is not None:
+                calls, message["content"] = tools.message(i, c.text)
+                if calls:
+                    message["tool_calls"] = calls
+                reason = tools.finish_reason(reason, calls)
+            return {"index": i, "message": message,
+                    "logprobs": logprobs(c.ids, c.logprobs, c.tops), "finish_reason": reason}
         return {**base, "object": "chat.completion",
-                "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": logprobs(c.ids, c.logprobs, c.tops),
-                             "finish_reason": _finish(c.last)}
-                            for i, c in enumerate(done)],
+                "choices": [choice(i, c) for i, c in enumerate(done)],
                 "usage": _usage([p], *(c.last for c in done))}
 
     @app.websocket("/v1/stream")

@@ -266,6 +266,23 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    name: str
+    arguments: str = Field(description="the arguments, as JSON text")
+
+
+class ToolCall(BaseModel):
+    """A call an earlier assistant message made (multi-turn tool use)."""
+
+    model_config = ConfigDict(strict=True)
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True)
 
@@ -274,14 +291,73 @@ class ChatMessage(BaseModel):
         Annotated[str, Tag("text")] | Annotated[list[TextPart], Tag("parts")],
         Discriminator(lambda v: "text" if isinstance(v, str) else "parts" if isinstance(v, list)
                       else None, custom_error_type="content_form",
-                      custom_error_message="content must be a string or a list of text parts")]
+                      custom_error_message="content must be a string or a list of text parts"),
+    ] | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=128)
+    tool_call_id: str | None = Field(default=None, description="the call a tool message answers")
+    name: str | None = None
 
-    def for_template(self) -> dict[str, str]:
+    @model_validator(mode="after")
+    def _content_given(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is needed (it may be left out only by an assistant "
+                             "message with tool_calls)")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
         """The message as the chat template takes it: the text parts joined by newlines (as
-        vLLM joins them for templates that take a string)."""
+        vLLM joins them for templates that take a string); tool calls with their arguments
+        parsed, as Hugging Face's templates read them."""
         text = self.content if isinstance(self.content, str) else \
-            "\n".join(p.text for p in self.content)
-        return {"role": self.role, "content": text}
+            "\n".join(p.text for p in self.content or [])
+        out: dict[str, Any] = {"role": self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(default=None, description="a JSON Schema of the "
+                                              "arguments (any object when left out)")
+    strict: bool | None = Field(default=None, description="accepted; the schema is always "
+                                "enforced")
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 # The fields whose forms are tagged unions, and their tags: pydantic puts the tag of the form a
@@ -298,7 +374,13 @@ class ChatRequest(GenerationRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
                                      description="with logprobs: this many most likely tokens at "
                                      "each step")
-    tools: Annotated[list[Any] | None, _unsupported((None, []), "tools (tool calls)")] = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description='"required" or a named function: the reply is tool calls, '
+        'enforced as structured outputs; "auto" (the default with tools) is refused: shoal '
+        "has no tool-call parser")
+    parallel_tool_calls: bool = Field(default=True, description='with "required": more than '
+                                      "one call allowed")
     add_generation_prompt: bool = Field(
         default=True, description="open the assistant's turn after the messages (vLLM's)")
     continue_final_message: bool = Field(
@@ -306,7 +388,6 @@ class ChatRequest(GenerationRequest):
         "as a prefix of its reply (vLLM's; needs add_generation_prompt false)")
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, description="more variables for the chat template (vLLM's)")
-    tool_choice: Annotated[Any, _unsupported((None, "none"), "tool_choice")] = None
 
 
 class TokenizeRequest(BaseModel):
