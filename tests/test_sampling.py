@@ -6,33 +6,72 @@ import pytest
 import torch
 
 from shoal.sampling_params import InvalidSamplingParams, SamplingParams
-from worker.sampler import Sampler, _inverse_transform, _sample_top_k_top_p, adjust_logits
+from worker import cpu_ops
+from worker.sampler import (
+    Sampler,
+    _candidates,
+    _inverse_transform,
+    _sample_top_k_top_p,
+    adjust_logits,
+)
+
+# The torch path, and the C++ kernels (`shoal::sample_rows`, `log_normalizers`, `topk_rows`)
+# where they built.
+KERNELS = [False, pytest.param(True, marks=pytest.mark.skipif(
+    not cpu_ops.load(), reason="the C++ kernels did not build here"))]
 
 
-def _draw(logits, params, n, seed=0):
+def _draw(logits, params, n, seed=0, kernels=False):
     gen = torch.Generator().manual_seed(seed)
     counts = torch.zeros(logits.shape[-1])
     for _ in range(n):
-        tok, _, _ = Sampler()(logits.clone(), [params], [gen])
+        tok, _, _ = Sampler(kernels)(logits.clone(), [params], [gen])
         counts[tok[0]] += 1
     return counts / n
 
 
-def test_temperature_sampling_follows_softmax():
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_temperature_sampling_follows_softmax(kernels):
     logits = torch.randn(1, 12) * 2
+    logits[0, 3] = float("-inf")  # a masked token (structured outputs, allowed_token_ids)
     p = SamplingParams(temperature=0.7, seed=0)
-    freq = _draw(logits, p, 4000)
+    freq = _draw(logits, p, 4000, kernels=kernels)
     expected = torch.softmax(logits[0] / 0.7, -1)
-    assert (freq - expected).abs().max() < 0.03
+    assert (freq - expected).abs().max() < 0.03 and freq[3] == 0
 
 
-def test_top_k_and_top_p_cut_the_tail():
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_top_k_and_top_p_cut_the_tail(kernels):
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05]]))
-    freq = _draw(logits, SamplingParams(temperature=1.0, top_k=2), 2000)
+    freq = _draw(logits, SamplingParams(temperature=1.0, top_k=2), 2000, kernels=kernels)
     assert freq[2:].sum() == 0 and abs(freq[0] - 0.4 / 0.7) < 0.05
-    freq = _draw(logits, SamplingParams(temperature=1.0, top_p=0.8), 2000)
+    freq = _draw(logits, SamplingParams(temperature=1.0, top_p=0.8), 2000, kernels=kernels)
     # 0.4 + 0.3 < 0.8, adding 0.15 reaches it: three tokens stay.
     assert freq[3:].sum() == 0 and freq[2] > 0
+
+
+@pytest.mark.skipif(not cpu_ops.load(), reason="the C++ kernels did not build here")
+@pytest.mark.parametrize(("vocab", "scale"), [(49152, 3.0), (100, 1.0), (70, 0.1), (2000, 12.0)])
+def test_the_sampling_kernel_takes_the_token_torchs_inverse_transform_takes(vocab, scale):
+    """`shoal::sample_rows` against softmax, cumsum and searchsorted on random rows with masked
+    tokens: the same token but where the two sums round either side of a boundary (rare), and
+    never a masked one."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(16, vocab, generator=gen) * scale
+    logits[0, ::3] = float("-inf")
+    logits[1, 1:] = float("-inf")  # one token left
+    temps = torch.rand(16, generator=gen) + 0.3
+    same = total = 0
+    for _ in range(40):
+        u = torch.rand(16, generator=gen)
+        got = torch.ops.shoal.sample_rows(logits, temps, u)
+        ref = _inverse_transform(torch.softmax(logits / temps[:, None], -1), u)
+        assert torch.isfinite(logits.gather(1, got[:, None])).all() and got[1] == 0
+        same += int((got == ref).sum())
+        total += 16
+    assert same >= 0.99 * total
+    lse = torch.ops.shoal.log_normalizers(logits, temps)
+    assert torch.allclose(lse, torch.logsumexp(logits / temps[:, None], -1), atol=1e-4)
 
 
 def _reference_top_k_top_p(probs, p, u):
@@ -47,23 +86,36 @@ def _reference_top_k_top_p(probs, p, u):
     return int(order[int(torch.searchsorted(cdf, max(float(u) * float(cdf[-1]), 1e-38)))])
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("scale", [0.05, 1.0, 4.0])  # flat (nuclei need widening) to peaked
 @pytest.mark.parametrize("params", [
     [SamplingParams(top_p=0.9), SamplingParams(top_k=40), SamplingParams(top_k=200, top_p=0.5),
      SamplingParams(top_p=0.3)],
     [SamplingParams(top_k=5000, top_p=0.99), SamplingParams(top_k=1), SamplingParams(top_p=0.6)],
 ])
-def test_top_k_top_p_sets_match_a_full_sort(scale, params):
+def test_top_k_top_p_sets_match_a_full_sort(scale, params, kernels):
+    """The torch path takes the full sort's token (by probability: tokens of equal probability
+    may come in either order from topk and sort); the kernels' candidates, whose probabilities
+    round differently, take it but at rare boundaries, and always a token of the sets."""
     vocab = 3000
     gen = torch.Generator().manual_seed(0)
-    probs = torch.softmax(torch.randn(len(params), vocab, generator=gen) * scale, dim=-1)
+    logits = torch.randn(len(params), vocab, generator=gen) * scale
+    probs = torch.softmax(logits, dim=-1)
+    temps = torch.ones(len(params))
+    same = 0
     for trial in range(50):
         u = torch.rand(len(params), generator=gen)
-        got = _sample_top_k_top_p(probs, params, u).tolist()
+        got = _sample_top_k_top_p(_candidates(logits, temps, kernels), vocab, params, u).tolist()
         ref = [_reference_top_k_top_p(probs[r], params[r], u[r]) for r in range(len(params))]
-        # By probability: tokens of equal probability may come in either order from topk and sort.
-        assert [float(probs[r, t]) for r, t in enumerate(got)] == \
-            [float(probs[r, t]) for r, t in enumerate(ref)]
+        if not kernels:
+            assert [float(probs[r, t]) for r, t in enumerate(got)] == \
+                [float(probs[r, t]) for r, t in enumerate(ref)]
+        same += sum(float(probs[r, t]) == float(probs[r, x])
+                    for r, (t, x) in enumerate(zip(got, ref)))
+        for r, t in enumerate(got):  # within the row's sets: no more likely than u = 1 allows
+            last = _reference_top_k_top_p(probs[r], params[r], torch.tensor(1.0 - 2**-24))
+            assert probs[r, t] >= probs[r, last]
+    assert same >= 0.98 * 50 * len(params)
 
 
 def test_inverse_transform_never_picks_a_zero_weight():

@@ -143,7 +143,7 @@ class Engine:
 
             self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, cfg.max_num_seqs,
                                               self.max_model_len)
-        self.sampler = Sampler()
+        self.sampler = Sampler(kernels=self.model.kernels)
         self.grammars = GrammarMasks(model_path, model_cfg.vocab_size, model_cfg.eos_token_id,
                                      cfg.fast_paths)
         self.running: dict[str, Sequence] = {}

@@ -12,14 +12,17 @@ request resumed elsewhere with its output so far (`skip_draws`) goes on as if ne
 Cost of sampling 64 rows of SmolLM2's 49,152 logits on a 2-core Zen 4 (session 18): the former
 exponential race (Gumbel-max: a noise draw per vocabulary entry, 61 ms of draws) took 66-75 ms at
 temperature 1, and top-k or top-p through a full sort 190-220 ms, more than a decode step of the
-model; now 7-12 ms for each. Only a row whose nucleus holds thousands of tokens (near-flat
-logits) still ends in a full sort (170-200 ms for 64 such rows).
+model; then 4.4-7 ms in torch (softmax over whole rows, topk, cumsum), and 1.3 ms at temperature
+alone, 2.5 ms with top-k or top-p, through the C++ kernels (session 33: `shoal::sample_rows`
+samples a whole row in one pass; top-k and top-p rows take their candidates from the logits'
+top c and each row's log-normalizer, never writing a softmax). Only a row whose nucleus holds
+thousands of tokens (near-flat logits) still ends in a full sort (170-200 ms for 64 such rows).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -27,7 +30,16 @@ from shoal.sampling_params import SamplingParams
 
 
 class Sampler:
-    """Samples one token per row of a logits matrix."""
+    """Samples one token per row of a logits matrix.
+
+    Args:
+        kernels: rows without top-k or top-p sample through `shoal::sample_rows` (the C++
+            kernel: one pass a row) rather than torch's softmax, cumsum and searchsorted; the
+            same rule, rounding aside.
+    """
+
+    def __init__(self, kernels: bool = False) -> None:
+        self.kernels = kernels
 
     @torch.inference_mode()
     def __call__(
@@ -105,16 +117,22 @@ class Sampler:
     ) -> torch.Tensor:
         """`[rows]` int64 tokens drawn from `logits` `[rows, vocab]` float32, each row under its
         temperature, top-k and top-p, with one uniform draw from its generator."""
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).unsqueeze(1)
-        probs = torch.softmax(logits / temps, dim=-1)
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
         u = torch.cat([draw(g) for g in generators])
         tokens = torch.empty(len(params), dtype=torch.long)
         cut = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
         whole = [i for i, p in enumerate(params) if not (p.top_k > 0 or p.top_p < 1.0)]
-        if whole:
-            tokens[whole] = _inverse_transform(probs[whole], u[whole])
+        if whole and self.kernels:
+            rows = logits if len(whole) == len(params) else logits[whole]
+            tokens[whole] = torch.ops.shoal.sample_rows(rows.contiguous(), temps[whole], u[whole])
+        elif whole:
+            probs = torch.softmax(logits[whole] / temps[whole].unsqueeze(1), dim=-1)
+            tokens[whole] = _inverse_transform(probs, u[whole])
         if cut:
-            tokens[cut] = _sample_top_k_top_p(probs[cut], [params[i] for i in cut], u[cut])
+            rows = logits if len(cut) == len(params) else logits[cut]
+            tokens[cut] = _sample_top_k_top_p(_candidates(rows.contiguous(), temps[cut],
+                                                          self.kernels),
+                                              rows.shape[1], [params[i] for i in cut], u[cut])
         return tokens
 
 
@@ -147,19 +165,42 @@ def _inverse_transform(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 TOP_P_CANDIDATES = 64
 
 
-def _sample_top_k_top_p(probs: torch.Tensor, params: list[SamplingParams], u: torch.Tensor
-                        ) -> torch.Tensor:
-    """Sample rows of `probs` `[rows, vocab]` float32 within each row's top-k set and, over that
-    set's renormalized distribution, its top-p set (nucleus sampling, Holtzman et al. 2020: the
-    most likely tokens until their mass reaches top_p; the first always stays), with `u`
-    `[rows]` uniform in [0, 1). `[rows]` int64.
+Candidates = Callable[[list[int], int], tuple[torch.Tensor, torch.Tensor]]
 
-    A row's sets come from its `c` most likely tokens (`topk`, sorted): at first its top-k or
-    TOP_P_CANDIDATES, whichever is more, widened while a row without top-k has not closed its
-    nucleus within them. Rows go through `topk` in groups of equal `c`, and each row's `c`
-    follows from its own parameters and probabilities alone: its token does not depend on what
-    else shares the batch."""
-    vocab = probs.shape[1]
+
+def _candidates(logits: torch.Tensor, temps: torch.Tensor, kernels: bool) -> Candidates:
+    """For rows of `logits` `[rows, vocab]` float32 at temperatures `temps` `[rows]`: a function
+    of (row indices, c) giving those rows' c most likely tokens, most likely first, as their
+    probabilities `[n, c]` float32 and token ids `[n, c]` int64. With the kernels, from the
+    logits' top c (`shoal::topk_rows`) and each row's log-normalizer (`shoal::log_normalizers`)
+    below a quarter of the vocabulary; else (and past it) from the softmax over whole rows."""
+    vocab = logits.shape[1]
+    lse = torch.ops.shoal.log_normalizers(logits, temps) if kernels else None
+    probs: list[torch.Tensor | None] = [None]
+
+    def top(rows: list[int], c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if lse is not None and 4 * c <= vocab:
+            part = logits if len(rows) == len(logits) else logits[rows]  # (rows in order)
+            values, index = torch.ops.shoal.topk_rows(part.contiguous(), c)
+            return torch.exp(values / temps[rows, None] - lse[rows, None]), index
+        if probs[0] is None:
+            probs[0] = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
+        return probs[0][rows].topk(c, dim=-1)
+    return top
+
+
+def _sample_top_k_top_p(candidates: Candidates, vocab: int, params: list[SamplingParams],
+                        u: torch.Tensor) -> torch.Tensor:
+    """Sample rows within each row's top-k set and, over that set's renormalized distribution,
+    its top-p set (nucleus sampling, Holtzman et al. 2020: the most likely tokens until their
+    mass reaches top_p; the first always stays), with `u` `[rows]` uniform in [0, 1). `[rows]`
+    int64.
+
+    A row's sets come from its `c` most likely tokens (`candidates`, sorted; `vocab` is the
+    rows' width): at first its top-k or TOP_P_CANDIDATES, whichever is more, widened while a
+    row without top-k has not closed its nucleus within them. Rows take their candidates in
+    groups of equal `c`, and each row's `c` follows from its own parameters and probabilities
+    alone: its token does not depend on what else shares the batch."""
     tokens = torch.empty(len(params), dtype=torch.long)
     width = [max(TOP_P_CANDIDATES, p.top_k) for p in params]
     pending = list(range(len(params)))
@@ -168,7 +209,8 @@ def _sample_top_k_top_p(probs: torch.Tensor, params: list[SamplingParams], u: to
         for c in sorted({width[i] for i in pending}):
             rows = [i for i in pending if width[i] == c]
             c = vocab if 4 * c > vocab else c
-            done, value = _top_k_top_p_within(probs[rows], [params[i] for i in rows], u[rows], c)
+            done, value = _top_k_top_p_within(*candidates(rows, c), vocab,
+                                              [params[i] for i in rows], u[rows])
             tokens[[r for r, d in zip(rows, done) if d]] = value[done]
             widen += [r for r, d in zip(rows, done) if not d]
         for i in widen:
@@ -177,16 +219,17 @@ def _sample_top_k_top_p(probs: torch.Tensor, params: list[SamplingParams], u: to
     return tokens
 
 
-def _top_k_top_p_within(probs: torch.Tensor, params: list[SamplingParams], u: torch.Tensor,
-                        c: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _top_k_top_p_within(values: torch.Tensor, index: torch.Tensor, vocab: int,
+                        params: list[SamplingParams], u: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """`_sample_top_k_top_p` over each row's `c` most likely tokens (c at least every row's
-    top-k). Returns which rows are complete, `[rows]` bool (those whose top-k set lies within
-    the candidates or whose nucleus closed before the last one), and their tokens, `[rows]`
-    int64 (meaningless for the others)."""
-    vocab = probs.shape[1]
+    top-k): their probabilities `values` `[rows, c]` float32, most likely first, and ids `index`
+    `[rows, c]` int64. Returns which rows are complete, `[rows]` bool (those whose top-k set
+    lies within the candidates or whose nucleus closed before the last one), and their tokens,
+    `[rows]` int64 (meaningless for the others)."""
+    c = values.shape[1]
     top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).unsqueeze(1)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).unsqueeze(1)
-    values, index = probs.topk(c, dim=-1)
     values = values.masked_fill(torch.arange(c).unsqueeze(0) >= top_k, 0.0)
     # The top-k set's mass: known when it lies within the candidates; without top-k, all of the
     # distribution (1).

@@ -13,7 +13,7 @@
 // One file a family of kernels, their C++ signatures in ops.h: attention.cpp (the paged K/V
 // cache, attention, RoPE), elementwise.cpp (add + RMSNorm, SwiGLU), int8.cpp (int8 activations),
 // lanes.cpp (float32-activation matmuls on 16-channel vectors), int4_q8.cpp, topk.cpp, bitmask.cpp
-// (structured outputs' masks), pairs.cpp
+// (structured outputs' masks), sample.cpp (sampling whole rows), pairs.cpp
 // (bfloat16 pair dot products and AMX tiles), decode_stack.cpp (every layer in one call), and
 // what they share in common.h. This file only names the operators' schemas.
 
@@ -49,6 +49,8 @@ TORCH_LIBRARY(shoal, m) {
         "ScalarType out_dtype) -> Tensor");
   m.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
+  m.def("sample_rows(Tensor logits, Tensor temperature, Tensor u) -> Tensor");
+  m.def("log_normalizers(Tensor logits, Tensor temperature) -> Tensor");
   m.def("candidate_logits(Tensor h, Tensor weight, Tensor idx) -> Tensor");
   m.def("rope_(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, int num_heads, int head_dim) -> ()");
   m.def("attend_qkv(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, Tensor(b!) k_pool, "
@@ -97,6 +99,8 @@ TORCH_LIBRARY_IMPL(shoal, CPU, m) {
   m.impl("dequantize_rows", &dequantize_rows);
   m.impl("topk_rows", &topk_rows);
   m.impl("apply_token_bitmask_", &apply_token_bitmask_);
+  m.impl("sample_rows", &sample_rows);
+  m.impl("log_normalizers", &log_normalizers);
   m.impl("candidate_logits", &candidate_logits);
   m.impl("rope_", &rope_);
   m.impl("attend_qkv", &attend_qkv);

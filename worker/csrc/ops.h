@@ -48,6 +48,10 @@ Tensor int4_linear(const Tensor& x, const Tensor& w, const Tensor& scale_min);
 Tensor int4_q8_linear(const Tensor& x, const Tensor& w, const Tensor& scale_min);
 #endif
 
+// sample.cpp
+Tensor sample_rows(const Tensor& logits, const Tensor& temperature, const Tensor& u);
+Tensor log_normalizers(const Tensor& logits, const Tensor& temperature);
+
 // bitmask.cpp
 void apply_token_bitmask_(Tensor logits, const Tensor& bitmask, const Tensor& rows);
 
