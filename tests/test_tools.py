@@ -116,3 +116,35 @@ def test_tool_misuse_gets_a_400_that_names_it(fleet, extra, param, message):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and message in error["message"], error
+
+
+def test_the_openai_sdk_parses_pydantic_replies_and_tool_calls(fleet):
+    """What OpenAI's SDK sends for a pydantic model (a strict json_schema with $defs) and for a
+    pydantic function tool comes back as it parses: `message.parsed` and `parsed_arguments`."""
+    from openai import pydantic_function_tool
+    from pydantic import BaseModel
+
+    class Address(BaseModel):
+        city: str
+        country: str
+
+    class Person(BaseModel):
+        name: str
+        age: int
+        address: Address
+
+    class GetWeather(BaseModel):
+        city: str
+
+    client = _client(fleet)
+    reply = client.chat.completions.parse(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Make up a person."}],
+        response_format=Person, max_tokens=120, temperature=0)
+    assert reply.choices[0].finish_reason == "stop"
+    assert isinstance(reply.choices[0].message.parsed, Person)
+    reply = client.chat.completions.parse(
+        model="SmolLM2-135M-Instruct", messages=ASK, tools=[pydantic_function_tool(GetWeather)],
+        tool_choice={"type": "function", "function": {"name": "GetWeather"}}, max_tokens=60,
+        temperature=0)
+    (call,) = reply.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, GetWeather)
