@@ -87,6 +87,20 @@ def test_counters_and_histograms_move_by_the_right_amounts(fleet, tokenizer):
     assert value(after[w], "shoal_model_load_seconds") > 0
 
 
+def test_structured_outputs_count_their_masked_rows_and_mask_time(fleet):
+    before = scrape_all(fleet)
+    r = httpx.post(fleet["url"] + "/v1/completions", timeout=60, json={
+        "prompt": "My phone number is", "max_tokens": 20, "temperature": 0,
+        "structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}})
+    assert r.status_code == 200, r.text
+    after = scrape_all(fleet)
+    rows = (value(after["worker"], "shoal_structured_output_rows_total")
+            - value(before["worker"], "shoal_structured_output_rows_total"))
+    assert rows == r.json()["usage"]["completion_tokens"] > 0  # every token from a masked row
+    assert (value(after["worker"], "shoal_structured_output_mask_seconds_total")
+            > value(before["worker"], "shoal_structured_output_mask_seconds_total"))
+
+
 def test_no_request_id_in_any_label(fleet):
     for part, samples in scrape_all(fleet).items():
         for (_name, labels) in samples:

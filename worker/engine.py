@@ -155,6 +155,10 @@ class Engine:
         # Speculative decoding: draft tokens checked, and those the model kept.
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
+        # Sampling rows masked by structured outputs, and the seconds the masks cost the
+        # iterations (waiting for them after the forward pass, applying them).
+        self.structured_output_rows = 0
+        self.structured_output_mask_seconds = 0.0
         # Iterations that computed tokens, and their wall time in seconds (`step_seconds`): what
         # the worker's `shoal_engine_step_seconds` histogram counts.
         self.iterations = 0
@@ -627,9 +631,15 @@ class Engine:
         if rows != list(range(len(argmax))):  # a round of drafting requests: their rows only
             argmax = argmax[rows]
             logits = None if logits is None else logits[rows]
-        if logits is not None and (self._restrict(logits, seqs)
-                                   | self.grammars.apply(logits, masks)):
-            argmax = None  # masks changed the rows: the sampler takes its own argmax
+        if logits is not None:
+            changed = self._restrict(logits, seqs)
+            t0 = time.perf_counter()
+            if self.grammars.apply(logits, masks):
+                self.structured_output_rows += len(masks.rows)
+                self.structured_output_mask_seconds += time.perf_counter() - t0
+                changed = True
+            if changed:
+                argmax = None  # masks changed the rows: the sampler takes its own argmax
         return self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs], argmax,
                             [(s.token_ids, s.num_prompt_tokens) for s in seqs])
 

@@ -19,6 +19,12 @@ SPEC_DRAFT_TOKENS = Counter("shoal_spec_decode_num_draft_tokens",
                             "Speculative draft tokens checked by the model")
 SPEC_ACCEPTED_TOKENS = Counter("shoal_spec_decode_num_accepted_tokens",
                                "Speculative draft tokens the model kept (each one a pass saved)")
+STRUCTURED_OUTPUT_ROWS = Counter("shoal_structured_output_rows",
+                                 "Sampling rows masked by their request's structured output")
+STRUCTURED_OUTPUT_MASK_SECONDS = Counter(
+    "shoal_structured_output_mask_seconds",
+    "Seconds iterations spent waiting for structured outputs' masks (built while the forward "
+    "pass runs) and applying them")
 MODEL_LOAD_SECONDS = Gauge("shoal_model_load_seconds", "Time to load the model, in seconds")
 
 
@@ -43,10 +49,13 @@ def observe_iteration(num_prefill_tokens: int, num_decode_tokens: int, step_seco
 
 class EngineTotals:
     """Carries the engine's running totals (attributes that only grow) into Prometheus counters:
-    prefix-cache queries and hits, speculative drafts and those kept (tokens)."""
+    prefix-cache queries and hits, speculative drafts and those kept (tokens), rows masked by
+    structured outputs and the seconds their masks cost."""
 
     COUNTERS = {"prefix_cache_queries": PREFIX_CACHE_QUERIES, "prefix_cache_hits": PREFIX_CACHE_HITS,
-                "spec_draft_tokens": SPEC_DRAFT_TOKENS, "spec_accepted_tokens": SPEC_ACCEPTED_TOKENS}
+                "spec_draft_tokens": SPEC_DRAFT_TOKENS, "spec_accepted_tokens": SPEC_ACCEPTED_TOKENS,
+                "structured_output_rows": STRUCTURED_OUTPUT_ROWS,
+                "structured_output_mask_seconds": STRUCTURED_OUTPUT_MASK_SECONDS}
 
     def __init__(self) -> None:
         self.seen = dict.fromkeys(self.COUNTERS, 0)
