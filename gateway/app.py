@@ -3,7 +3,8 @@
 It validates and tokenizes a request, subscribes (once, at start-up, to its own channel) before it
 enqueues, writes the request to the Redis stream, and turns the token ids coming back into text
 incrementally. It knows nothing of batching. The bodies it takes and answers with, and its
-errors, are defined in gateway/schemas.py.
+errors, are defined in gateway/schemas.py; how a body becomes the fleet's request (token ids,
+sampling parameters, stop strings, tool calls) in gateway/prepare.py.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.datastructures import Headers
@@ -36,11 +36,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway import metrics
 from gateway.jobs import jobs_router
 from gateway.pages import pages_router
+from gateway.prepare import Prepared, RequestPreparation
 from gateway.schemas import (
     GENERATION_RESPONSES,
-    MAX_REQUESTS,
     APIError,
-    ChatMessage,
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -51,7 +50,6 @@ from gateway.schemas import (
     error_responses,
     invalid_request,
 )
-from gateway.tools import ToolCalls
 from shoal.detokenizer import IncrementalDetokenizer
 from shoal.keys import Keys
 from shoal.messages import (
@@ -65,8 +63,6 @@ from shoal.messages import (
 )
 from shoal.model_files import load_tokenizer, model_id, resolve_model_path
 from shoal.process import freeze_heap
-from shoal.sampling_params import InvalidSamplingParams, SamplingParams
-from shoal.structured_output import InvalidStructuredOutput, StructuredOutput
 
 log = logging.getLogger("shoal.gateway")
 
@@ -81,22 +77,6 @@ try:
     _CONNECTION_KWARGS: dict[str, Any] = {"driver_info": DriverInfo()}
 except ImportError:  # redis-py without DriverInfo reads its version once, at import
     _CONNECTION_KWARGS = {}
-
-
-@dataclass
-class Prepared:
-    """One request ready for the fleet, with what the gateway itself does to its text: cut it at
-    `stops` (keeping the stop string with `include_stop_str`), and leave special tokens out
-    unless `skip_special_tokens` is False; with `tools`, its text is tool calls."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    stops: list[str]
-    priority: int = 0
-    include_stop_str: bool = False
-    skip_special_tokens: bool = True
-    tools: ToolCalls | None = None
 
 
 @dataclass
@@ -144,8 +124,9 @@ class StopMatcher:
         return out
 
 
-class Gateway:
-    """State shared by the endpoints: Redis, the tokenizer, the waiting streams."""
+class Gateway(RequestPreparation):
+    """State shared by the endpoints: Redis, the tokenizer, the waiting streams; how API
+    requests become the fleet's (`RequestPreparation`)."""
 
     def __init__(self, redis_url: str, model: str | None, prefix: str = "shoal") -> None:
         self.redis_url = redis_url
@@ -218,207 +199,6 @@ class Gateway:
         for rid, q in self.queues.items():
             q.put_nowait(TokenEvent(rid, 0, [], finish_reason="error", error=message,
                                     error_status=503))
-
-    # -- request preparation ------------------------------------------------------------------
-
-    def _params(self, req: GenerationRequest, max_tokens: int | None, prompt_len: int,
-                logprobs: bool, top_logprobs: int = 0, prompt_logprobs: int | None = None,
-                constraint: StructuredOutput | None = None) -> SamplingParams:
-        self.check_model(req.model)
-        room = self.max_model_len - prompt_len
-        if room < 1:
-            raise APIError(f"the prompt has {prompt_len} tokens; the context window is "
-                           f"{self.max_model_len}",
-                           param="messages" if isinstance(req, ChatRequest) else "prompt")
-        if req.context_overflow == "error":
-            max_tokens = min(max_tokens or room, room)
-        else:
-            # Past the window only when asked for, and at most `max_overflow_windows` windows'
-            # worth: an unbounded request would hold a worker's batch slot forever.
-            limit = self.max_overflow_windows * self.max_model_len
-            if max_tokens is not None and max_tokens > limit:
-                raise APIError(f"with context_overflow, max_tokens is at most {limit} "
-                               f"({self.max_overflow_windows} context windows)", param="max_tokens")
-            max_tokens = max_tokens or room
-        try:
-            for name in ("stop_token_ids", "allowed_token_ids"):
-                self.check_token_ids(getattr(req, name) or [], name)
-            structured = constraint or self._structured_output(req)
-            if structured is not None and req.allowed_token_ids:
-                raise APIError("allowed_token_ids cannot be combined with a structured output",
-                               param="allowed_token_ids")
-            return SamplingParams(max_tokens=max_tokens, temperature=req.temperature,
-                                  top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed,
-                                  stop_token_ids=tuple(req.stop_token_ids or ()),
-                                  allowed_token_ids=tuple(req.allowed_token_ids or ()),
-                                  ignore_eos=req.ignore_eos,
-                                  min_tokens=min(req.min_tokens, max_tokens), logprobs=logprobs,
-                                  top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
-                                  presence_penalty=req.presence_penalty,
-                                  frequency_penalty=req.frequency_penalty,
-                                  repetition_penalty=req.repetition_penalty,
-                                  logit_bias=self._logit_bias(req.logit_bias),
-                                  context_overflow=req.context_overflow, n_keep=req.n_keep,
-                                  n_discard=req.n_discard, cache_salt=req.cache_salt,
-                                  structured_output=structured)
-        except InvalidSamplingParams as e:
-            raise APIError(str(e)) from e
-
-    @staticmethod
-    def _structured_output(req: GenerationRequest) -> StructuredOutput | None:
-        """The request's constraint on its output (`response_format` or `structured_outputs`),
-        compiled once here so that a bad one is refused before it is queued.
-
-        Raises:
-            APIError: both are given, or the constraint does not compile.
-        """
-        fmt = req.response_format.constraint() if req.response_format else None
-        if fmt is not None and req.structured_outputs is not None:
-            raise APIError("give response_format or structured_outputs, not both",
-                           param="structured_outputs")
-        param = "response_format" if fmt is not None else "structured_outputs"
-        constraint = fmt or (req.structured_outputs.constraint() if req.structured_outputs
-                             else None)
-        if constraint is not None:
-            try:
-                constraint.check()
-            except InvalidStructuredOutput as e:
-                raise APIError(f"{param}: {e}", param=param) from e
-        return constraint
-
-    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-        """OpenAI's `logit_bias` (token ids as strings) as (token id, bias) pairs.
-
-        Raises:
-            APIError: a key is not a token id of this model's vocabulary.
-        """
-        vocab = len(self.tokenizer)
-        pairs = []
-        for key, value in (bias or {}).items():
-            if not key.isdecimal() or int(key) >= vocab:
-                raise APIError(f"logit_bias: {key!r} is not a token id in [0, {vocab})",
-                               param="logit_bias")
-            pairs.append((int(key), value))
-        return tuple(pairs)
-
-    def prepare_completion(self, req: CompletionRequest) -> tuple[str, list[Prepared]]:
-        """The response's id and one request per prompt (a string, token ids, or a list of
-        either), in order: the id itself for one prompt, `<id>-<k>` for prompt k of several.
-
-        Raises:
-            APIError: an empty prompt, a token id outside the vocabulary, too many requests.
-        """
-        prompt = req.prompt
-        batch = prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
-        if len(batch) * req.n > MAX_REQUESTS:
-            raise APIError(f"{len(batch)} prompts x n={req.n} choices is more than "
-                           f"{MAX_REQUESTS} requests", param="n")
-        if req.echo and req.stream:
-            raise APIError("echo with stream is not supported", param="echo")
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        out = []
-        for k, item in enumerate(batch):
-            ids = _truncate(self.prompt_ids(item), req.truncate_prompt_tokens)
-            params = self._params(req, req.max_tokens, len(ids), req.logprobs is not None,
-                                  req.logprobs or 0, req.logprobs if req.echo else None)
-            out.append(self._prepared(rid if len(batch) == 1 else f"{rid}-{k}", ids, params, req))
-        return rid, out
-
-    @staticmethod
-    def _prepared(request_id: str, ids: list[int], params: SamplingParams,
-                  req: GenerationRequest) -> Prepared:
-        return Prepared(request_id, ids, params, _stops(req.stop), req.priority,
-                        req.include_stop_str_in_output, req.skip_special_tokens)
-
-    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        """One prompt's token ids.
-
-        Raises:
-            APIError: it is empty or names a token id outside the vocabulary.
-        """
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        else:
-            ids = list(prompt)
-            self.check_token_ids(ids, "prompt")
-        if not ids:
-            raise APIError("the prompt is empty", param="prompt")
-        return ids
-
-    def check_token_ids(self, ids: list[int], param: str) -> None:
-        """Raises APIError (400, naming `param`) unless every id is in the vocabulary."""
-        vocab = len(self.tokenizer)
-        if any(t < 0 or t >= vocab for t in ids):
-            raise APIError(f"token ids must be in [0, {vocab})", param=param)
-
-    def check_model(self, model: str | None) -> None:
-        """Raises APIError (404) unless `model` is None or the model this fleet serves."""
-        if model not in (None, self.model):
-            raise APIError(f"model {model!r} is not served here; try {self.model!r}",
-                           status=404, param="model", kind="not_found_error")
-
-    def token_text(self, token_id: int) -> str:
-        """One token's text on its own, as logprobs name tokens (a piece of a multi-byte
-        character shows as U+FFFD)."""
-        return self.tokenizer.decode([token_id])
-
-    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                 continue_final_message: bool = False,
-                 template_kwargs: dict[str, Any] | None = None,
-                 tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The token ids a chat request's prompt is: the model's chat template over the
-        messages, with the assistant's turn opened (`add_generation_prompt`), or the last
-        message left open for the model to go on with (`continue_final_message`, as vLLM's);
-        `template_kwargs` are more variables for the template, and `tools` the functions it
-        may show the model (templates without tool support leave them out).
-
-        Raises:
-            APIError: both options at once, a template variable that is one of
-                `apply_chat_template`'s own arguments, or a template that fails on the
-                messages.
-        """
-        if add_generation_prompt and continue_final_message:
-            raise APIError("add_generation_prompt and continue_final_message cannot both be true",
-                           param="continue_final_message")
-        kwargs = dict(template_kwargs or {})
-        if reserved := sorted(kwargs.keys() & _TEMPLATE_ARGUMENTS):
-            raise APIError(f"chat_template_kwargs may not set {', '.join(reserved)}",
-                           param="chat_template_kwargs")
-        try:
-            return list(self.tokenizer.apply_chat_template(
-                [m.for_template() for m in messages], add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tools=tools, tokenize=True,
-                return_dict=True, **kwargs)["input_ids"])
-        except (ValueError, TemplateError) as e:  # jinja's, or transformers' own checks
-            raise APIError(f"the chat template cannot render these messages: {e}",
-                           param="messages") from e
-
-    def prepare_chat(self, req: ChatRequest) -> Prepared:
-        tools = ToolCalls.of(req)
-        ids = _truncate(self.chat_ids(
-            req.messages, req.add_generation_prompt, req.continue_final_message,
-            req.chat_template_kwargs,
-            [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None),
-            req.truncate_prompt_tokens)
-        if req.top_logprobs and not req.logprobs:
-            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
-        params = self._params(req, req.max_completion_tokens or req.max_tokens, len(ids),
-                              req.logprobs, req.top_logprobs or 0,
-                              constraint=tools.constraint if tools else None)
-        return replace(self._prepared(f"chatcmpl-{uuid.uuid4().hex}", ids, params, req),
-                       tools=tools)
-
-    @staticmethod
-    def choices(prompts: list[Prepared], n: int) -> list[Prepared]:
-        """The requests of `n` choices of each prompt, in OpenAI's order (choice index k * n + i
-        is choice i of prompt k): the prompts themselves for n = 1; else ids `<id>-<i>` and,
-        when seeded, seed + i (unseeded choices draw seeds of their own)."""
-        if n == 1:
-            return prompts
-        return [replace(p, request_id=f"{p.request_id}-{i}",
-                        params=replace(p.params,
-                                       seed=None if p.params.seed is None else p.params.seed + i))
-                for p in prompts for i in range(n)]
 
     # -- running a request ----------------------------------------------------------------------
 
@@ -592,25 +372,6 @@ class Gateway:
 
 # Served without a key: probes, and the pages (which send the key the user types with each call).
 PUBLIC_PATHS = ("/healthz", "/health", "/readyz", "/", "/fleet", "/shoal.css")
-
-
-# `apply_chat_template`'s own arguments, which `chat_template_kwargs` may not pass as template
-# variables.
-_TEMPLATE_ARGUMENTS = {"conversation", "tools", "documents", "chat_template",
-                       "add_generation_prompt", "continue_final_message", "tokenize", "padding",
-                       "truncation", "max_length", "return_tensors", "return_dict",
-                       "return_assistant_tokens_mask", "tokenizer_kwargs"}
-
-
-def _truncate(ids: list[int], keep: int | None) -> list[int]:
-    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (all when None)."""
-    return ids if keep is None else ids[-keep:]
-
-
-def _stops(stop: str | list[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    return [stop] if isinstance(stop, str) else list(stop)
 
 
 def _usage(prompts: list[Prepared], *last: TokenEvent) -> dict[str, Any]:
