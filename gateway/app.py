@@ -88,8 +88,9 @@ class _Choice:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     tops: list[list[list] | None] = field(default_factory=list)
-    # prompt position -> (logprob of that prompt token, its position's most likely tokens)
-    prompt: dict[int, tuple[float, list[list] | None]] = field(default_factory=dict)
+    # prompt position -> (logprob of that prompt token, its position's most likely tokens, its
+    # rank there)
+    prompt: dict[int, tuple[float, list[list] | None, int | None]] = field(default_factory=dict)
     last: TokenEvent | None = None
 
 
@@ -458,6 +459,24 @@ class _EventStream(StreamingResponse):
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
+def _prompt_logprobs(gw: Gateway, ids: list[int], c: _Choice, k: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then for each one a map from
+    token id to `{"logprob", "rank", "decoded_token"}` holding the prompt token and its
+    position's `k` most likely tokens (ranks 1 to k)."""
+    out: list[dict | None] = [None]
+    for pos in range(1, len(ids)):
+        lp, top, rank = c.prompt.get(pos, (None, None, None))
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(ids[pos]): {"logprob": lp, "rank": rank, "decoded_token": gw.token_text(ids[pos])}}
+        for j, (t, v) in enumerate((top or [])[:k]):
+            entry.setdefault(str(t), {"logprob": v, "rank": j + 1,
+                                      "decoded_token": gw.token_text(t)})
+        out.append(entry)
+    return out
+
+
 def _error_chunk(ev: TokenEvent) -> dict[str, Any]:
     """A failure inside a stream, where the HTTP status is already sent: an OpenAI error object."""
     status = ev.error_status or 503
@@ -666,9 +685,11 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
             async for i, (piece, ev) in events:
                 c = out[i]
                 if ev.prompt_logprobs is not None:  # a recomputed prompt sends them again
-                    tops = ev.prompt_top_logprobs or [None] * len(ev.prompt_logprobs)
-                    for j, (lp, top) in enumerate(zip(ev.prompt_logprobs, tops)):
-                        c.prompt[ev.prompt_position + j] = (lp, top)
+                    n = len(ev.prompt_logprobs)
+                    for j, (lp, top, rank) in enumerate(zip(
+                            ev.prompt_logprobs, ev.prompt_top_logprobs or [None] * n,
+                            ev.prompt_ranks or [None] * n)):
+                        c.prompt[ev.prompt_position + j] = (lp, top, rank)
                     continue
                 c.text += piece
                 c.ids += ev.token_ids
@@ -747,13 +768,19 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
             for p, c in zip(ps, done):
                 c.text = gw.tokenizer.decode(p.prompt_ids) + c.text
                 if req.logprobs is not None:
-                    known = [c.prompt.get(k, (None, None)) for k in range(1, len(p.prompt_ids))]
+                    known = [c.prompt.get(k, (None, None, None))
+                             for k in range(1, len(p.prompt_ids))]
                     c.ids[:0] = p.prompt_ids
-                    c.logprobs[:0] = [None] + [lp for lp, _ in known]
-                    c.tops[:0] = [None] + [top or [] for _, top in known]
-        return {**base, "choices": [{"index": i, "text": c.text,
-                                     "logprobs": logprobs(c.ids, c.logprobs, c.tops),
-                                     "finish_reason": _finish(c.last)} for i, c in enumerate(done)],
+                    c.logprobs[:0] = [None] + [lp for lp, _, _ in known]
+                    c.tops[:0] = [None] + [(top or [])[: req.logprobs] for _, top, _ in known]
+
+        def choice(i: int, p: Prepared, c: _Choice) -> dict[str, Any]:
+            out = {"index": i, "text": c.text, "logprobs": logprobs(c.ids, c.logprobs, c.tops),
+                   "finish_reason": _finish(c.last)}
+            if req.prompt_logprobs is not None:
+                out["prompt_logprobs"] = _prompt_logprobs(gw, p.prompt_ids, c, req.prompt_logprobs)
+            return out
+        return {**base, "choices": [choice(i, p, c) for i, (p, c) in enumerate(zip(ps, done))],
                 "usage": _usage(prompts, *(c.last for c in done))}
 
     @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
@@ -806,8 +833,11 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
                 reason = tools.finish_reason(reason, calls)
             return {"index": i, "message": message,
                     "logprobs": logprobs(c.ids, c.logprobs, c.tops), "finish_reason": reason}
+        prompt_logprobs = ({"prompt_logprobs": _prompt_logprobs(gw, p.prompt_ids, done[0],
+                                                                req.prompt_logprobs)}
+                           if req.prompt_logprobs is not None else {})
         return {**base, "object": "chat.completion",
-                "choices": [choice(i, c) for i, c in enumerate(done)],
+                "choices": [choice(i, c) for i, c in enumerate(done)], **prompt_logprobs,
                 "usage": _usage([p], *(c.last for c in done))}
 
     @app.websocket("/v1/stream")

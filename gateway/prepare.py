@@ -56,6 +56,8 @@ class RequestPreparation:
                 logprobs: bool, top_logprobs: int = 0, prompt_logprobs: int | None = None,
                 constraint: StructuredOutput | None = None) -> SamplingParams:
         self.check_model(req.model)
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError("prompt_logprobs with stream is not supported", param="prompt_logprobs")
         room = self.max_model_len - prompt_len
         if room < 1:
             raise APIError(f"the prompt has {prompt_len} tokens; the context window is "
@@ -146,12 +148,15 @@ class RequestPreparation:
                            f"{MAX_REQUESTS} requests", param="n")
         if req.echo and req.stream:
             raise APIError("echo with stream is not supported", param="echo")
+        # The engine scores a prompt once, with the larger of what echo and prompt_logprobs ask.
+        scored = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs)
+                  if k is not None]
         rid = f"cmpl-{uuid.uuid4().hex}"
         out = []
         for k, item in enumerate(batch):
             ids = _truncate(self.prompt_ids(item), req.truncate_prompt_tokens)
             params = self._params(req, req.max_tokens, len(ids), req.logprobs is not None,
-                                  req.logprobs or 0, req.logprobs if req.echo else None)
+                                  req.logprobs or 0, max(scored, default=None))
             out.append(self._prepared(rid if len(batch) == 1 else f"{rid}-{k}", ids, params, req))
         return rid, out
 
@@ -234,7 +239,7 @@ class RequestPreparation:
         if req.top_logprobs and not req.logprobs:
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
         params = self._params(req, req.max_completion_tokens or req.max_tokens, len(ids),
-                              req.logprobs, req.top_logprobs or 0,
+                              req.logprobs, req.top_logprobs or 0, req.prompt_logprobs,
                               constraint=tools.constraint if tools else None)
         return replace(self._prepared(f"chatcmpl-{uuid.uuid4().hex}", ids, params, req),
                        tools=tools)

@@ -206,6 +206,10 @@ class GenerationRequest(BaseModel):
         description="sample only among these token ids")
     truncate_prompt_tokens: int | None = Field(
         default=None, ge=1, le=INT32_MAX, description="keep only the prompt's last k tokens")
+    prompt_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_TOP_LOGPROBS, description="each prompt token's logprob and "
+        "rank given the tokens before it, with this many most likely tokens at each position "
+        "(vLLM's; not with stream)")
 
 
 def _unsupported(allowed: tuple, what: str) -> AfterValidator:

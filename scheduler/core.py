@@ -456,7 +456,8 @@ class Scheduler:
             if out.prompt_logprobs is not None:
                 event = replace(event, prompt_logprobs=out.prompt_logprobs,
                                 prompt_top_logprobs=out.prompt_top_logprobs,
-                                prompt_position=out.prompt_position)
+                                prompt_position=out.prompt_position,
+                                prompt_ranks=out.prompt_ranks)
             events.append(event)
         return events
 

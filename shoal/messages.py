@@ -218,6 +218,8 @@ class TokenOutput(Message):
         prompt_top_logprobs: with `prompt_logprobs` k > 0, each of those positions' k most
             likely tokens as `[token id, logprob]` pairs; else None.
         prompt_position: the prompt position of the first of `prompt_logprobs` (>= 1).
+        prompt_ranks: with `prompt_logprobs`, each of those prompt tokens' rank at its position
+            (1 for the most likely token; one more for each token more likely than it).
     """
 
     TYPE: ClassVar[str] = "token_output"
@@ -232,6 +234,7 @@ class TokenOutput(Message):
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[list]] | None = None
     prompt_position: int = 0
+    prompt_ranks: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -352,8 +355,9 @@ class TokenEvent(Message):
         top_logprobs: per token of `token_ids`, its step's most likely tokens as `[token id,
             logprob]` pairs (`TokenOutput.top_logprobs`), when the request asked for them; else
             None.
-        prompt_logprobs, prompt_top_logprobs, prompt_position: prompt-token logprobs, as in
-            `TokenOutput` (an event with no tokens); a recomputed prompt sends them again.
+        prompt_logprobs, prompt_top_logprobs, prompt_position, prompt_ranks: prompt-token
+            logprobs, as in `TokenOutput` (an event with no tokens); a recomputed prompt sends
+            them again.
     """
 
     TYPE: ClassVar[str] = "token_event"
@@ -371,6 +375,7 @@ class TokenEvent(Message):
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[list]] | None = None
     prompt_position: int = 0
+    prompt_ranks: list[int] | None = None
 
 
 @dataclass(frozen=True)

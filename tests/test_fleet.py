@@ -275,6 +275,46 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(fleet, hf_model, tok
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
 
 
+def test_prompt_logprobs_as_vllm_gives_them(fleet, hf_model, tokenizer):
+    """vLLM's `prompt_logprobs: k`: None for the first prompt token, then per token a map from
+    token id to logprob, rank and text holding the prompt token and its position's k most
+    likely tokens, as transformers computes them; on completions per choice (beside echo's own
+    k), on chat once for the request; refused with stream."""
+    import torch
+
+    def check(entries, ids, k):
+        with torch.no_grad():
+            oracle = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].double(), -1)
+        assert entries[0] is None and len(entries) == len(ids)
+        for p in range(1, len(ids)):
+            row = oracle[p - 1]
+            entry = {int(t): v for t, v in entries[p].items()}
+            rank = int((row > row[ids[p]]).sum()) + 1
+            assert entry[ids[p]]["rank"] == rank  # (ties within float32 rounding aside)
+            assert entry[ids[p]]["logprob"] == pytest.approx(float(row[ids[p]]), abs=1e-3)
+            assert entry[ids[p]]["decoded_token"] == tokenizer.decode([ids[p]])
+            values, top = row.topk(k)
+            for j, (t, v) in enumerate(zip(top.tolist(), values.tolist())):
+                assert entry[t]["logprob"] == pytest.approx(v, abs=1e-3)
+                assert t == ids[p] or entry[t]["rank"] == j + 1
+            assert len(entry) in (k, k + 1)
+
+    prompt = "The capital of France is Paris, and the capital of Italy is Rome."
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    url = fleet["url"]
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3,
+            "echo": True, "logprobs": 1}
+    choice = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    check(choice["prompt_logprobs"], ids, 3)
+    assert all(top is None or len(top) == 1 for top in choice["logprobs"]["top_logprobs"])
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    reply = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "messages": messages, "max_tokens": 2, "prompt_logprobs": 2}).json()
+    check(reply["prompt_logprobs"], _chat_ids(tokenizer, "Name a fruit."), 2)
+    r = httpx.post(url + "/v1/completions", json={**body, "echo": False, "stream": True}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_tokenize_and_detokenize_as_vllm(fleet, tokenizer):
     """`/tokenize` gives the ids a completions prompt or a chat's messages are sent as (the usage
     of a real request agrees), `/detokenize` their text; bad input is a 400."""

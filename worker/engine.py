@@ -582,17 +582,20 @@ class Engine:
         """The prompt logprobs of this iteration's scored rows (`hidden` `[rows, hidden]`
         float32, in `scored`'s order: request, first position p, count n): for each position p,
         log P(prompt[p + 1] | prompt[:p + 1]) under the model's raw distribution and, with
-        `prompt_logprobs` k > 0, the k most likely tokens there. One output per request, with no
-        token."""
+        `prompt_logprobs` k > 0, the k most likely tokens there, and each prompt token's rank.
+        One output per request, with no token."""
         nxt = torch.tensor([s.token_ids[p + 1] for s, start, n in scored
                             for p in range(start, start + n)])
         k = max(s.params.prompt_logprobs for s, _, _ in scored)
         lps: list[float] = []
+        ranks: list[int] = []
         tops: list[list[list]] = []
         for i in range(0, hidden.shape[0], self.PROMPT_LOGPROBS_ROWS):
             logits, _ = self.model.compute_logits(hidden[i : i + self.PROMPT_LOGPROBS_ROWS])
             rows = logits.float().cpu().log_softmax(dim=-1)
-            lps += rows.gather(1, nxt[i : i + rows.shape[0], None])[:, 0].tolist()
+            actual = rows.gather(1, nxt[i : i + rows.shape[0], None])
+            lps += actual[:, 0].tolist()
+            ranks += ((rows > actual).sum(dim=1) + 1).tolist()
             if k:
                 values, top = rows.topk(k, dim=-1)
                 tops += [[[t, v] for t, v in zip(ts, vs)]
@@ -603,7 +606,7 @@ class Engine:
             outputs.append(TokenOutput(
                 s.request_id, None, s.num_output_tokens, prompt_logprobs=lps[at : at + n],
                 prompt_top_logprobs=[t[:kk] for t in tops[at : at + n]] if kk else None,
-                prompt_position=start + 1))
+                prompt_position=start + 1, prompt_ranks=ranks[at : at + n]))
             at += n
         return outputs
 
