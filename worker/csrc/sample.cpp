@@ -88,7 +88,7 @@ Tensor sample_rows(const Tensor& logits, const Tensor& temperature, const Tensor
       if (pick < 0)  // the block held no weight (rounding ran past the last one): go back
         for (int64_t i = lo - 1; i >= 0 && pick < 0; --i)
           if (w[i] > 0.f) pick = i;
-      op[r] = pick;
+      op[r] = pick < 0 ? 0 : pick;  // (no weight anywhere: NaN logits; still a token id)
     }
   });
   return out;
