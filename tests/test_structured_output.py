@@ -277,3 +277,25 @@ def test_a_bad_constraint_gets_a_400_that_names_it(fleet, extra, param, message)
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == param and message in error["message"], error
+
+
+def test_masks_built_during_a_short_forward_pass_are_waited_for(model_path, tokenizer):
+    """With a forward pass far shorter than the masks (a small random model over SmolLM2's
+    vocabulary, 48 requests of a letters-only regex), the engine waits for the mask thread
+    before it reads a matcher (`min_tokens` asks whether each is complete): a matcher is lent to
+    one caller at a time, and reading it mid-mask raised 'Already borrowed'."""
+    from tests.conftest import random_weights, tiny_config
+    from worker.config import EngineConfig
+    from worker.engine import Engine
+
+    cfg = tiny_config(vocab_size=49152, eos_token_id=tokenizer.eos_token_id)
+    engine = Engine(cfg, random_weights(cfg), EngineConfig(dtype=torch.float32, block_size=4,
+                                                           kv_cache_bytes=64 << 20),
+                    model_path=model_path)
+    constraint = StructuredOutput("regex", "[A-Za-z ,.]{1,400}")
+    reqs = [NewRequest(f"r{i}", [10 + i, 20, 30], SamplingParams(
+        max_tokens=6, min_tokens=3, temperature=1.0, seed=i, structured_output=constraint))
+        for i in range(48)]
+    for out in generate(engine, reqs).values():
+        text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        assert out.error is None and re.fullmatch("[A-Za-z ,.]{1,400}", text), (out, text)

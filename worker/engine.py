@@ -155,10 +155,6 @@ class Engine:
         # Speculative decoding: draft tokens checked, and those the model kept.
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
-        # Sampling rows masked by structured outputs, and the seconds the masks cost the
-        # iterations (waiting for them after the forward pass, applying them).
-        self.structured_output_rows = 0
-        self.structured_output_mask_seconds = 0.0
         # Iterations that computed tokens, and their wall time in seconds (`step_seconds`): what
         # the worker's `shoal_engine_step_seconds` histogram counts.
         self.iterations = 0
@@ -191,6 +187,16 @@ class Engine:
         """Load a model (GGUF file or Hugging Face directory) and build an engine around it."""
         model_cfg, weights = load_model(path, cfg.dtype)
         return cls(model_cfg, weights, cfg, model_path=path, **kw)
+
+    @property
+    def structured_output_rows(self) -> int:
+        """Sampling rows masked by structured outputs so far."""
+        return self.grammars.rows
+
+    @property
+    def structured_output_mask_seconds(self) -> float:
+        """Seconds iterations spent waiting for structured outputs' masks and applying them."""
+        return self.grammars.seconds
 
     @property
     def num_free_blocks(self) -> int:
@@ -523,6 +529,8 @@ class Engine:
             hidden = hidden[: len(sample_rows)]
         if not samplers:
             return outputs
+        # The matchers are the mask thread's until it is done (`_banned_tokens` reads them).
+        self.grammars.wait(masks)
         # Greedy rows that want no logprobs, ban no token, adjust no logit (bias, penalty) and
         # have no structured output nor allowed tokens need only the argmax.
         seqs = [s for s, _ in samplers]
@@ -634,15 +642,9 @@ class Engine:
         if rows != list(range(len(argmax))):  # a round of drafting requests: their rows only
             argmax = argmax[rows]
             logits = None if logits is None else logits[rows]
-        if logits is not None:
-            changed = self._restrict(logits, seqs)
-            t0 = time.perf_counter()
-            if self.grammars.apply(logits, masks):
-                self.structured_output_rows += len(masks.rows)
-                self.structured_output_mask_seconds += time.perf_counter() - t0
-                changed = True
-            if changed:
-                argmax = None  # masks changed the rows: the sampler takes its own argmax
+        if logits is not None and (self._restrict(logits, seqs)
+                                   | self.grammars.apply(logits, masks)):
+            argmax = None  # masks changed the rows: the sampler takes its own argmax
         return self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs], argmax,
                             [(s.token_ids, s.num_prompt_tokens) for s in seqs])
 

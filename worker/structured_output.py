@@ -16,6 +16,7 @@ first constrained request waits for it in the common case.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,6 +49,9 @@ class GrammarMasks:
         self._ready = threading.Event()
         self._executor = None
         self._pool: ThreadPoolExecutor | None = None
+        # Rows masked, and the seconds iterations spent waiting for and applying masks.
+        self.rows = 0
+        self.seconds = 0.0
         if model_path is None:
             self._error = InvalidStructuredOutput("this engine has no tokenizer to compile "
                                                   "structured outputs against")
@@ -95,7 +99,9 @@ class GrammarMasks:
     def prepare(self, matchers: Sequence) -> PendingMasks | None:
         """Start computing the masks of the rows that have a matcher, on a thread of their own
         (llguidance releases the GIL), so that they are built while the forward pass runs: the
-        masks follow from the tokens so far, not from this iteration's logits.
+        masks follow from the tokens so far, not from this iteration's logits. Until `wait`
+        returns, those matchers are the thread's: a call on one of them raises (llguidance
+        lends a matcher to one caller at a time).
 
         Args:
             matchers: each sampling row's `LLMatcher`, or None for an unconstrained row.
@@ -116,6 +122,14 @@ class GrammarMasks:
                                  [(m, k) for k, (m, _) in enumerate(rows)], bitmask)
         return PendingMasks(torch.tensor([i for _, i in rows]), bitmask, done)
 
+    def wait(self, pending: PendingMasks | None) -> None:
+        """Return once the masks `prepare` started are built (at once after the first call)."""
+        if pending is not None and not pending.waited:
+            t0 = time.perf_counter()
+            pending.done.result()
+            pending.waited = True
+            self.seconds += time.perf_counter() - t0
+
     @torch.inference_mode()  # the logits may be an inference tensor: written in place
     def apply(self, logits: torch.Tensor, pending: PendingMasks | None) -> bool:
         """Set every logit a row's constraint does not allow next to -inf, in place, once the
@@ -130,9 +144,12 @@ class GrammarMasks:
         """
         if pending is None:
             return False
-        pending.done.result()
+        self.wait(pending)
+        t0 = time.perf_counter()
         kernels = self.fast_paths and logits.is_contiguous() and ops.kernels_enabled(torch.float32)
         ops.apply_token_bitmask_(logits, pending.bitmask, pending.rows, kernels)
+        self.rows += len(pending.rows)
+        self.seconds += time.perf_counter() - t0
         return True
 
 
@@ -145,11 +162,13 @@ class PendingMasks:
         bitmask: `[n, ceil(vocab_size / 32)]` int32, llguidance's layout (token 32 * w + j is
             bit j of word w), filled when `done` is.
         done: the computation.
+        waited: `GrammarMasks.wait` saw it done.
     """
 
     rows: torch.Tensor
     bitmask: torch.Tensor
     done: Future
+    waited: bool = False
 
 
 def advance(matcher, token: int) -> bool:
