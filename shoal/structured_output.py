@@ -104,6 +104,4 @@ def _grammar_error(kind: str, spec: str) -> str:
         grammar = StructuredOutput(kind, spec).grammar()
     except InvalidStructuredOutput as e:
         return str(e)
-    except ValueError as e:  # llguidance's own, for a schema it cannot translate
-        return str(e)
-    return LLMatcher.validate_grammar(grammar)
+    return LLMatcher.validate_grammar(grammar)  # (llguidance's grammar_from_* never raise)

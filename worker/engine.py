@@ -145,7 +145,7 @@ class Engine:
                                               self.max_model_len)
         self.sampler = Sampler(kernels=self.model.kernels)
         self.grammars = GrammarMasks(model_path, model_cfg.vocab_size, model_cfg.eos_token_id,
-                                     cfg.fast_paths)
+                                     self.model.kernels)
         self.running: dict[str, Sequence] = {}
         self.keep_logits = keep_logits
         self.last_logits: dict[str, torch.Tensor] = {}

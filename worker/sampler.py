@@ -33,9 +33,10 @@ class Sampler:
     """Samples one token per row of a logits matrix.
 
     Args:
-        kernels: rows without top-k or top-p sample through `shoal::sample_rows` (the C++
-            kernel: one pass a row) rather than torch's softmax, cumsum and searchsorted; the
-            same rule, rounding aside.
+        kernels: sample through the C++ kernels rather than torch's softmax, cumsum and
+            searchsorted: rows without top-k or top-p in one pass each (`shoal::sample_rows`),
+            top-k and top-p rows from their candidates (`_candidates`); the same rule, rounding
+            aside.
     """
 
     def __init__(self, kernels: bool = False) -> None:

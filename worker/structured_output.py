@@ -37,13 +37,14 @@ class GrammarMasks:
             of tests).
         vocab_size: the model's vocabulary, in tokens (the logits' width).
         eos_token_id: the token that ends a complete constraint.
-        fast_paths: mask through the C++ kernel where it is built (`worker.ops`).
+        kernels: mask through the C++ kernel (the model's own choice, `LlamaModel.kernels`:
+            a GPU worker never builds the CPU kernels for this).
     """
 
     def __init__(self, model_path: Path | None, vocab_size: int, eos_token_id: int | None,
-                 fast_paths: bool = True) -> None:
+                 kernels: bool = False) -> None:
         self.vocab_size = vocab_size
-        self.fast_paths = fast_paths
+        self.kernels = kernels
         self._tokenizer = None
         self._error: Exception | None = None
         self._ready = threading.Event()
@@ -123,11 +124,10 @@ class GrammarMasks:
         return PendingMasks(torch.tensor([i for _, i in rows]), bitmask, done)
 
     def wait(self, pending: PendingMasks | None) -> None:
-        """Return once the masks `prepare` started are built (at once after the first call)."""
-        if pending is not None and not pending.waited:
+        """Return once the masks `prepare` started are built."""
+        if pending is not None:
             t0 = time.perf_counter()
             pending.done.result()
-            pending.waited = True
             self.seconds += time.perf_counter() - t0
 
     @torch.inference_mode()  # the logits may be an inference tensor: written in place
@@ -146,8 +146,8 @@ class GrammarMasks:
             return False
         self.wait(pending)
         t0 = time.perf_counter()
-        kernels = self.fast_paths and logits.is_contiguous() and ops.kernels_enabled(torch.float32)
-        ops.apply_token_bitmask_(logits, pending.bitmask, pending.rows, kernels)
+        ops.apply_token_bitmask_(logits, pending.bitmask, pending.rows,
+                                 self.kernels and logits.is_contiguous())
         self.rows += len(pending.rows)
         self.seconds += time.perf_counter() - t0
         return True
@@ -162,13 +162,11 @@ class PendingMasks:
         bitmask: `[n, ceil(vocab_size / 32)]` int32, llguidance's layout (token 32 * w + j is
             bit j of word w), filled when `done` is.
         done: the computation.
-        waited: `GrammarMasks.wait` saw it done.
     """
 
     rows: torch.Tensor
     bitmask: torch.Tensor
     done: Future
-    waited: bool = False
 
 
 def advance(matcher, token: int) -> bool:
