@@ -50,8 +50,9 @@ class CeleryWorker:
 
 
 @pytest.fixture()
-def celery_worker(jobs_fleet):
-    w = CeleryWorker(jobs_fleet)
+def celery_worker(jobs_fleet, request):
+    """A Celery worker for one test; `indirect` parametrization sets its concurrency."""
+    w = CeleryWorker(jobs_fleet, getattr(request, "param", 4))
     w.start()
     yield w
     w.stop()
@@ -191,11 +192,14 @@ def _finished(log_path) -> dict[str, dict]:
     return out
 
 
+@pytest.mark.parametrize("celery_worker", [8], indirect=True)
 def test_interactive_requests_go_before_queued_job_requests(jobs_fleet, celery_worker):
     lines = [{"custom_id": f"p{i}", "prompt": p, "max_tokens": 10 + (7 * i) % 17,
               "temperature": 0, "ignore_eos": True} for i, p in enumerate(_prompts(16))]
     job_id = _submit(jobs_fleet, lines)
-    # The worker runs 2 requests and the Celery worker keeps 4 in the fleet: 2 wait.
+    # The worker runs 2 requests and the Celery worker keeps 8 in the fleet: 6 wait. With only
+    # 2 waiting, two job requests ending together on a fast host emptied the queue for the
+    # moment Celery took to send the next ones, and the interactive request met none.
     _wait(jobs_fleet, job_id, lambda j: j["request_counts"]["completed"] >= 2)
     r = httpx.post(f"{jobs_fleet['url']}/v1/completions",
                    json={"prompt": "Hello there,", "max_tokens": 4, "temperature": 0}, timeout=60)
