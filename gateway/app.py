@@ -93,6 +93,26 @@ class _Choice:
     prompt: dict[int, tuple[float, list[list] | None, int | None]] = field(default_factory=dict)
     last: TokenEvent | None = None
 
+    def score(self, ev: TokenEvent) -> None:
+        """Record an event's prompt logprobs by position (a recomputed prompt sends them again:
+        the same positions, overwritten)."""
+        n = len(ev.prompt_logprobs or [])
+        for j, (lp, top, rank) in enumerate(zip(ev.prompt_logprobs or [],
+                                                ev.prompt_top_logprobs or [None] * n,
+                                                ev.prompt_ranks or [None] * n)):
+            self.prompt[ev.prompt_position + j] = (lp, top, rank)
+
+    def scored(self, num_prompt_tokens: int) -> bool:
+        """Whether every prompt position that has a logprob (all but the first) is recorded."""
+        return len(self.prompt) >= num_prompt_tokens - 1
+
+    def echo(self, prompt_ids: list[int], k: int) -> tuple[list[int], list, list]:
+        """`echo`'s logprobs of the prompt: its ids, their logprobs (None for the first token,
+        which nothing predicts, as in OpenAI's API) and each position's `k` most likely tokens."""
+        known = [self.prompt.get(pos, (None, None, None)) for pos in range(1, len(prompt_ids))]
+        return (list(prompt_ids), [None] + [lp for lp, _, _ in known],
+                [None] + [(top or [])[:k] for _, top, _ in known])
+
 
 class StopMatcher:
     """Cuts the text at the first stop string (after it with `include`); holds back a tail that
@@ -684,12 +704,8 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         async with contextlib.aclosing(_merge([gw.run(p) for p in ps])) as events:
             async for i, (piece, ev) in events:
                 c = out[i]
-                if ev.prompt_logprobs is not None:  # a recomputed prompt sends them again
-                    n = len(ev.prompt_logprobs)
-                    for j, (lp, top, rank) in enumerate(zip(
-                            ev.prompt_logprobs, ev.prompt_top_logprobs or [None] * n,
-                            ev.prompt_ranks or [None] * n)):
-                        c.prompt[ev.prompt_position + j] = (lp, top, rank)
+                if ev.prompt_logprobs is not None:
+                    c.score(ev)
                     continue
                 c.text += piece
                 c.ids += ev.token_ids
@@ -708,7 +724,8 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         """The stream's chunks, grouped as `_EventStream` writes them: `choice(index, text,
         event)` shapes each one (completions and chat differ only there), `first(index)` opens
         each choice; a failure becomes an error object and ends the stream; the event that ends
-        the last open choice ends it too, with usage over all choices if asked for."""
+        the last open choice ends it too, with usage over all choices if asked for. `choice`
+        may return None for an event that makes no chunk (prompt logprobs still coming)."""
         if first is not None:
             yield [first(i) for i in range(len(ps))], False
         last: dict[int, TokenEvent] = {}
@@ -721,9 +738,10 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
                     last[i] = ev
                 # A token whose text the detokenizer holds back still gets a chunk when its
                 # logprob was asked for.
-                group = ([{**base, "choices": [choice(i, piece, ev)]}]
-                         if piece or ev.finish_reason or ev.logprobs and ev.logprobs[0] is not None
-                         else [])
+                shaped = (choice(i, piece, ev)
+                          if piece or ev.finish_reason or ev.prompt_logprobs is not None
+                          or ev.logprobs and ev.logprobs[0] is not None else None)
+                group = [{**base, "choices": [shaped]}] if shaped is not None else []
                 if len(last) == len(ps):
                     if req.stream_options and req.stream_options.include_usage:
                         group.append({**base, "choices": [],
@@ -756,23 +774,39 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
 
         if req.stream:
             offsets = [0] * len(ps)  # each choice's next token's text offset
+            # With echo, each choice's prompt scores until its prompt is sent (then None).
+            unechoed: list[_Choice | None] = [_Choice() if req.echo else None for _ in ps]
 
-            def chunk(i: int, piece: str, ev: TokenEvent) -> dict[str, Any]:
-                lp = logprobs(ev.token_ids, ev.logprobs, ev.top_logprobs, offsets[i])
+            def chunk(i: int, piece: str, ev: TokenEvent) -> dict[str, Any] | None:
+                ids, lps, tops = ev.token_ids, ev.logprobs, ev.top_logprobs
+                prompt = unechoed[i]
+                if ev.prompt_logprobs is not None:
+                    if prompt is None:
+                        return None  # a prompt recomputed after its echo was sent
+                    prompt.score(ev)
+                    if not prompt.scored(len(ps[i].prompt_ids)):
+                        return None
+                if prompt is not None:
+                    # The prompt opens the choice, as vLLM streams echo: alone once it is
+                    # scored, else with the first generated text.
+                    unechoed[i] = None
+                    piece = gw.tokenizer.decode(ps[i].prompt_ids) + piece
+                    if req.logprobs is not None:
+                        pids, plps, ptops = prompt.echo(ps[i].prompt_ids, req.logprobs)
+                        ids, lps = pids + list(ids), plps + list(lps)
+                        tops = ptops + list(tops or [None] * len(ev.token_ids))
+                lp = logprobs(ids, lps, tops, offsets[i])
                 if lp is not None:
                     offsets[i] += sum(map(len, lp["tokens"]))
                 return {"index": i, "text": piece, "logprobs": lp, "finish_reason": _finish(ev)}
             return _EventStream(_chunks(prompts, ps, base, req, chunk))
         done = await _collect(ps)
-        if req.echo:  # the prompt first: its first token has no logprob, as in OpenAI's API
+        if req.echo:  # the prompt first
             for p, c in zip(ps, done):
                 c.text = gw.tokenizer.decode(p.prompt_ids) + c.text
                 if req.logprobs is not None:
-                    known = [c.prompt.get(k, (None, None, None))
-                             for k in range(1, len(p.prompt_ids))]
-                    c.ids[:0] = p.prompt_ids
-                    c.logprobs[:0] = [None] + [lp for lp, _, _ in known]
-                    c.tops[:0] = [None] + [(top or [])[: req.logprobs] for _, top, _ in known]
+                    ids, lps, tops = c.echo(p.prompt_ids, req.logprobs)
+                    c.ids[:0], c.logprobs[:0], c.tops[:0] = ids, lps, tops
 
         def choice(i: int, p: Prepared, c: _Choice) -> dict[str, Any]:
             out = {"index": i, "text": c.text, "logprobs": logprobs(c.ids, c.logprobs, c.tops),

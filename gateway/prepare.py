@@ -146,8 +146,6 @@ class RequestPreparation:
         if len(batch) * req.n > MAX_REQUESTS:
             raise APIError(f"{len(batch)} prompts x n={req.n} choices is more than "
                            f"{MAX_REQUESTS} requests", param="n")
-        if req.echo and req.stream:
-            raise APIError("echo with stream is not supported", param="echo")
         # The engine scores a prompt once, with the larger of what echo and prompt_logprobs ask.
         scored = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs)
                   if k is not None]

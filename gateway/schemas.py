@@ -256,7 +256,7 @@ class CompletionRequest(GenerationRequest):
                                  description="each token's logprob, and this many most likely "
                                  "tokens at each step (top_logprobs)")
     echo: bool = Field(default=False, description="the prompt before the completion, and with "
-                       "logprobs the prompt tokens' logprobs (not with stream)")
+                       "logprobs the prompt tokens' logprobs (streamed: in each choice's first chunk)")
     best_of: Annotated[int | None, _unsupported((None, 1), "best_of above 1")] = None
     suffix: Annotated[str | None, _unsupported((None,), "suffix")] = None
 

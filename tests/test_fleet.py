@@ -145,15 +145,12 @@ def test_bad_requests_get_openai_errors(fleet):
         ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias"),
         ("/v1/completions", {"prompt": "x", "cache_salt": ""}, "cache_salt"),
-        # OpenAI's parameters that shoal does not serve are refused by name, never ignored.
-        ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, "echo"),
     ]
     for path, body, param in cases:
         r = httpx.post(fleet["url"] + path, json=body, timeout=30)
         assert r.status_code == 400, (body, r.text)
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and param in (err["param"] or ""), err
-        assert param != "echo" or "not supported" in err["message"]
     r = httpx.post(fleet["url"] + "/v1/completions", json={"prompt": "x", "model": "gpt-9"}, timeout=30)
     assert r.status_code == 404 and "gpt-9" in r.json()["error"]["message"]
 
@@ -271,8 +268,27 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(fleet, hf_model, tok
     alone = httpx.post(url, json={"prompt": prompt, "max_tokens": 4, "temperature": 0},
                        timeout=60).json()["choices"][0]
     assert plain["text"] == prompt + alone["text"] and plain["logprobs"] is None
-    r = httpx.post(url, json={**body, "stream": True}, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    # Streamed, as vLLM streams echo: the prompt opens each choice; the choices' texts and
+    # logprobs, joined, are the unstreamed ones.
+    for asked in (body, {**body, "max_tokens": 5, "logprobs": 2, "n": 2},
+                  {"prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True}):
+        whole = httpx.post(url, json=asked, timeout=60).json()["choices"]
+        chunks = [c["choices"][0] for c in _sse(url, asked) if c["choices"]]
+        for i, want in enumerate(whole):
+            mine = [c for c in chunks if c["index"] == i]
+            assert mine[0]["text"].startswith(prompt)
+            assert "".join(c["text"] for c in mine) == want["text"]
+            if want["logprobs"] is None:
+                assert all(c["logprobs"] is None for c in mine)
+                continue
+            got = {key: [x for c in mine for x in c["logprobs"][key]] for key in want["logprobs"]}
+            assert got["tokens"] == want["logprobs"]["tokens"]
+            assert got["text_offset"] == want["logprobs"]["text_offset"]
+            assert got["token_logprobs"][0] is None and got["top_logprobs"][0] is None
+            assert got["token_logprobs"][1:] == pytest.approx(want["logprobs"]["token_logprobs"][1:],
+                                                              abs=1e-4)
+            for a, b in zip(got["top_logprobs"][1:], want["logprobs"]["top_logprobs"][1:]):
+                assert a.keys() == b.keys() and a == pytest.approx(b, abs=1e-4)
 
 
 def test_prompt_logprobs_as_vllm_gives_them(fleet, hf_model, tokenizer):
