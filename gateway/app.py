@@ -149,10 +149,16 @@ class Gateway(RequestPreparation):
     """State shared by the endpoints: Redis, the tokenizer, the waiting streams; how API
     requests become the fleet's (`RequestPreparation`)."""
 
-    def __init__(self, redis_url: str, model: str | None, prefix: str = "shoal") -> None:
+    def __init__(self, redis_url: str, model: str | None, prefix: str = "shoal",
+                 served_model_names: tuple[str, ...] = (), chat_template: str | None = None
+                 ) -> None:
         self.redis_url = redis_url
         self.model_path = resolve_model_path(model)
-        self.model = model_id(self.model_path)
+        # Requests may name the model by any of its names; submissions and responses carry the
+        # first, which is the name the workers advertise (vLLM's --served-model-name).
+        self.model_names = tuple(served_model_names) or (model_id(self.model_path),)
+        self.model = self.model_names[0]
+        self.chat_template = chat_template  # replaces the model's own; None keeps it
         self.keys = Keys(prefix)
         self.gateway_id = f"gw-{uuid.uuid4().hex[:8]}"
         self.channel = self.keys.tokens(self.gateway_id)
@@ -167,6 +173,8 @@ class Gateway(RequestPreparation):
 
     async def start(self) -> None:
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path)
+        if self.chat_template is not None:
+            self.tokenizer.chat_template = self.chat_template
         self.redis = aioredis.Redis.from_url(self.redis_url, **_CONNECTION_KWARGS)
         pubsub = self.redis.pubsub()
         await pubsub.subscribe(self.channel)  # before any request is enqueued
@@ -606,10 +614,13 @@ class _CountRequests:
 
 
 def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
-               settings: GatewaySettings | None = None) -> FastAPI:
-    """The gateway's FastAPI application."""
+               settings: GatewaySettings | None = None, served_model_names: tuple[str, ...] = (),
+               chat_template: str | None = None) -> FastAPI:
+    """The gateway's FastAPI application, for `model` (a path; None: the default model) served
+    under `served_model_names` (default: its file's name), chatting through `chat_template`
+    (default: the model's own)."""
     settings = settings or GatewaySettings()
-    gw = Gateway(redis_url, model, prefix)
+    gw = Gateway(redis_url, model, prefix, served_model_names, chat_template)
     gw.max_overflow_windows = settings.max_overflow_windows
 
     @contextlib.asynccontextmanager
@@ -679,8 +690,8 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
 
     @app.get("/v1/models", responses=error_responses(401))
     async def models():
-        return {"object": "list", "data": [{"id": gw.model, "object": "model", "created": 0,
-                                            "owned_by": "shoal"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
+                                            "owned_by": "shoal"} for name in gw.model_names]}
 
     @app.post("/tokenize", responses=error_responses(400, 401, 404))
     async def tokenize(req: TokenizeRequest):

@@ -49,6 +49,7 @@ class RequestPreparation:
 
     tokenizer: Any
     model: str
+    model_names: tuple[str, ...]
     max_model_len: int
     max_overflow_windows: int
 
@@ -186,8 +187,9 @@ class RequestPreparation:
             raise APIError(f"token ids must be in [0, {vocab})", param=param)
 
     def check_model(self, model: str | None) -> None:
-        """Raises APIError (404) unless `model` is None or the model this fleet serves."""
-        if model not in (None, self.model):
+        """Raises APIError (404) unless `model` is None or a name of the model this fleet
+        serves (`model_names`)."""
+        if model is not None and model not in self.model_names:
             raise APIError(f"model {model!r} is not served here; try {self.model!r}",
                            status=404, param="model", kind="not_found_error")
 

@@ -88,6 +88,19 @@ def _add_prefix_caching_arg(p: argparse.ArgumentParser) -> None:
                         "requests share only with requests of the same cache_salt)")
 
 
+def _add_served_model_name_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name(s) in the API, as vLLM's: requests may name any, "
+                        "responses carry the first (default: the model file's name); the "
+                        "gateway and the workers must be given the same first name")
+
+
+def _add_chat_template_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="the Jinja chat template to use instead of the model's, as vLLM's: a "
+                        "file, or the template itself")
+
+
 def _add_speculative_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding by prompt lookup, as vLLM: \'{"method": "ngram", '
@@ -154,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--prefix", default="shoal", help="Redis key prefix")
     w.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0 = off)")
     _add_tensor_parallel_arg(w)
+    _add_served_model_name_arg(w)
 
     s = sub.add_parser("scheduler", help="the central scheduler process")
     s.add_argument("--redis-url", required=True)
@@ -178,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--host", default="127.0.0.1")
     gw.add_argument("--port", type=_positive_int, default=8000)
     gw.add_argument("--model", default=None, help="model whose tokenizer to use (default: SmolLM2)")
+    _add_served_model_name_arg(gw)
+    _add_chat_template_arg(gw)
     gw.add_argument("--prefix", default="shoal", help="Redis key prefix")
     gw.add_argument("--api-key", action="append", default=[],
                     help="accepted API key (repeatable; also SHOAL_API_KEYS, comma-separated)")
@@ -200,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--workers", type=_positive_int, default=1)
     u.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     u.add_argument("--model", default=None)
+    _add_served_model_name_arg(u)
+    _add_chat_template_arg(u)
     u.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="every worker's dtype (auto: chosen by each worker for its machine)")
     u.add_argument("--kv-cache-bytes", type=_positive_int, default=None)
@@ -548,7 +566,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         MODEL_LOAD_SECONDS.set(time.perf_counter() - t0)
         serve_metrics(args.metrics_port)
         settings = WorkerSettings(args.redis_url, args.worker_id or default_worker_id(),
-                                  prefix=args.prefix)
+                                  prefix=args.prefix,
+                                  served_model_name=(args.served_model_name or [None])[0])
         server = WorkerServer(engine, path, settings)
         freeze_heap()
         if group is None:
@@ -581,9 +600,13 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import PUBLIC_PATHS, GatewaySettings, create_app
-    from shoal.model_files import resolve_model_path
+    from shoal.model_files import ChatTemplateError, load_chat_template, resolve_model_path
 
     resolve_model_path(args.model)  # fail fast with a clear message
+    try:
+        template = None if args.chat_template is None else load_chat_template(args.chat_template)
+    except ChatTemplateError as e:
+        raise CLIError(f"--chat-template: {e}") from e
     keys = [k for k in args.api_key if k]
     keys += [k.strip() for k in os.environ.get("SHOAL_API_KEYS", "").split(",") if k.strip()]
     if args.api_key_file:
@@ -598,13 +621,15 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
                                requests_per_minute=args.requests_per_minute,
                                tokens_per_minute=args.tokens_per_minute,
                                max_overflow_windows=args.max_overflow_windows)
-    uvicorn.run(create_app(args.redis_url, args.model, args.prefix, settings), host=args.host,
-                port=args.port, log_level="warning")
+    app = create_app(args.redis_url, args.model, args.prefix, settings,
+                     served_model_names=tuple(args.served_model_name or ()), chat_template=template)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
     from shoal.fleet import up
+    from shoal.model_files import ChatTemplateError, load_chat_template
     from worker.config import SpeculativeConfig
 
     if args.speculative_config is not None:  # refused here, not by every worker as it starts
@@ -620,6 +645,16 @@ def _cmd_up(args: argparse.Namespace) -> int:
                    else "--no-enable-prefix-caching"]
     if args.enforce_eager:
         worker_args.append("--enforce-eager")
+    gateway_args: list[str] = []
+    if args.served_model_name:
+        worker_args += ["--served-model-name", args.served_model_name[0]]
+        gateway_args += ["--served-model-name", *args.served_model_name]
+    if args.chat_template is not None:
+        try:  # refused here, not by the gateway as it starts
+            load_chat_template(args.chat_template)
+        except ChatTemplateError as e:
+            raise CLIError(f"--chat-template: {e}") from e
+        gateway_args += ["--chat-template", args.chat_template]
     for flag, value in (("--model", args.model), ("--kv-cache-bytes", args.kv_cache_bytes),
                         ("--max-model-len", args.max_model_len), ("--threads", args.threads),
                         ("--speculative-config", args.speculative_config)):
@@ -627,7 +662,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             worker_args += [flag, str(value)]
     try:
         return up(args.host, args.port, args.workers, args.redis_url, worker_args, args.threads,
-                  args.metrics_port_base, args.jobs, args.policy)
+                  args.metrics_port_base, args.jobs, args.policy, gateway_args)
     except (RuntimeError, FileNotFoundError) as e:
         raise CLIError(str(e)) from e
 

@@ -73,6 +73,35 @@ def model_id(path: Path) -> str:
     return name
 
 
+class ChatTemplateError(ValueError):
+    """A `--chat-template` that is neither a readable file nor a Jinja template that compiles."""
+
+
+def load_chat_template(value: str) -> str:
+    """The chat template `value` names, as vLLM's `--chat-template` takes it: the path of a
+    Jinja file, or the template itself (told apart by holding `{{` or `{%`).
+
+    Raises:
+        ChatTemplateError: no such file, an unreadable one, or a template with a Jinja syntax
+            error (found now, not at a user's first chat request).
+    """
+    import jinja2.sandbox
+
+    if "{{" in value or "{%" in value:
+        template = value
+    else:
+        try:
+            template = Path(value).expanduser().read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ChatTemplateError(f"cannot read the chat template file {value!r}: {e}") from e
+    try:  # transformers renders chat templates in this same sandbox
+        jinja2.sandbox.ImmutableSandboxedEnvironment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"the chat template does not compile: {e.message} "
+                                f"(line {e.lineno})") from e
+    return template
+
+
 def _cache_dir() -> Path:
     root = os.environ.get("SHOAL_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "shoal"

@@ -53,6 +53,9 @@ def test_bad_arguments_fail_clearly(tmp_path):
         (["up", "--speculative-config", '{"method": "eagle"}'], "ngram"),
         (["bench", "fleet", "--rounds", "0"], "positive integer"),
         (["bench", "fleet", "--model", str(tmp_path / "missing.gguf")], "does not exist"),
+        (["gateway", "--redis-url", "redis://127.0.0.1:1/0", "--chat-template",
+          str(tmp_path / "missing.jinja")], "cannot read the chat template"),
+        (["up", "--chat-template", "{% for m in messages %}"], "does not compile"),
     ]:
         r = _shoal(*args)
         assert r.returncode != 0
@@ -116,6 +119,29 @@ def test_up_hands_the_engine_flags_to_its_workers(monkeypatch):
     assert "--enforce-eager" in args and "--no-enable-prefix-caching" in args
     assert args[args.index("--dtype") + 1] == "float32"
     assert main(["up"]) == 0 and "--enforce-eager" not in seen["args"]
+
+
+def test_up_gives_the_served_names_to_gateway_and_workers(monkeypatch, tmp_path):
+    """`shoal up --served-model-name A B`: the gateway answers to both names, the workers
+    advertise the first (the name requests are matched to them by); the chat template goes to
+    the gateway, which formats chats."""
+    import shoal.fleet
+    from shoal.cli import main
+
+    seen = {}
+
+    def fake_up(host, port, workers, redis_url, worker_args, *rest):
+        seen["worker"], seen["gateway"] = worker_args, rest[-1]
+        return 0
+
+    monkeypatch.setattr(shoal.fleet, "up", fake_up)
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert main(["up", "--served-model-name", "smol", "helper", "--chat-template",
+                 str(template)]) == 0
+    assert seen["worker"][-2:] == ["--served-model-name", "smol"]
+    assert seen["gateway"] == ["--served-model-name", "smol", "helper",
+                               "--chat-template", str(template)]
 
 
 def test_engine_argv_gives_a_worker_the_same_engine():

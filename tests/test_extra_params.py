@@ -1,7 +1,8 @@
 """vLLM's extra request parameters (stop_token_ids, include_stop_str_in_output,
 skip_special_tokens, allowed_token_ids, truncate_prompt_tokens; for chat add_generation_prompt,
-continue_final_message, chat_template_kwargs) and `/health`, through a real fleet against the
-in-process engine and the tokenizer's own chat template."""
+continue_final_message, chat_template_kwargs), `/health` and the flags --served-model-name and
+--chat-template, through a real fleet against the in-process engine and the tokenizer's own chat
+template."""
 
 from __future__ import annotations
 
@@ -116,6 +117,55 @@ def test_bad_extra_parameters_get_a_400_that_names_them(fleet, path, extra, para
     r = httpx.post(url, json={**body, "max_tokens": 4, **extra}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+# A chat template unlike the model's own: no default system turn, the role in capitals.
+PLAIN_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] | upper }}\n{{ m['content'] }}"
+                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                  "{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def named_fleet(tmp_path_factory):
+    """A fleet serving the model as "smol" (also "helper" at the gateway) through
+    PLAIN_TEMPLATE, given as a file."""
+    from tests.conftest import running_fleet
+
+    template = tmp_path_factory.mktemp("template") / "plain.jinja"
+    template.write_text(PLAIN_TEMPLATE)
+    with running_fleet(("--served-model-name", "smol"), gateway_args=(
+            "--served-model-name", "smol", "helper", "--chat-template", str(template))) as f:
+        yield f
+
+
+def test_served_model_names_and_chat_template_as_vllms(named_fleet, oracle, tokenizer):
+    """vLLM's --served-model-name and --chat-template: /v1/models lists the names, a request
+    may name any and is answered as the first, which the worker advertises; another name is a
+    404. Chats are formatted by the given template: the reply is the in-process engine's greedy
+    one for the template's tokens."""
+    import jinja2
+
+    url = named_fleet["url"]
+    models = httpx.get(url + "/v1/models", timeout=30).json()["data"]
+    assert [m["id"] for m in models] == ["smol", "helper"]
+    workers = httpx.get(url + "/v1/fleet", timeout=30).json()["workers"]
+    assert [w["model"] for w in workers] == ["smol"]
+    text = jinja2.Template(PLAIN_TEMPLATE).render(messages=QUESTION, add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert ids != _template(tokenizer, QUESTION, add_generation_prompt=True)
+    expected = oracle(ids, 12)
+    for name in ("smol", "helper", None):
+        out = _chat(named_fleet, messages=QUESTION, max_tokens=12,
+                    **({"model": name} if name else {}))
+        assert out["model"] == "smol" and out["usage"]["prompt_tokens"] == len(ids)
+        assert out["choices"][0]["message"]["content"] == \
+            tokenizer.decode(expected, skip_special_tokens=True)
+    tokenized = httpx.post(url + "/tokenize", json={"messages": QUESTION, "model": "helper"},
+                           timeout=30).json()
+    assert tokenized["tokens"] == ids
+    r = httpx.post(url + "/v1/completions", json={"model": "SmolLM2-135M-Instruct",
+                                                 "prompt": "Hi", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
 def test_health_answers_as_vllms_does(fleet):

@@ -50,6 +50,7 @@ class WorkerSettings:
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 3.0
     prefix: str = "shoal"
+    served_model_name: str | None = None  # the model's name in the API (default: the file's)
 
 
 class _InFlight:
@@ -170,7 +171,7 @@ class WorkerServer:
         self.engine = engine
         self.settings = settings
         self.worker_id = settings.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
-        self.model = model_id(model_path)
+        self.model = settings.served_model_name or model_id(model_path)
         self.keys = Keys(settings.prefix)
         self.redis = redis.Redis.from_url(settings.redis_url)
         self._draining = threading.Event()
