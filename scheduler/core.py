@@ -184,6 +184,7 @@ class Scheduler:
         self.priority_aging_s = priority_aging_s
         self.waiting: deque[RequestState] = deque()  # in arrival order, every priority
         self._levels: Counter[int] = Counter()  # waiting requests per priority
+        self._models: Counter[str] = Counter()  # waiting requests per model
         self.requests: dict[str, RequestState] = {}
         self.workers: dict[str, WorkerState] = {}
         self.failed: list[TokenEvent] = []  # failed by `place`, for the I/O loop to publish
@@ -204,6 +205,7 @@ class Scheduler:
         """Insert by arrival time: a requeued (preempted) request keeps its place in line."""
         self.waiting.append(state)
         self._levels[state.sub.priority] += 1
+        self._models[state.sub.model] += 1
         if len(self.waiting) > 1 and self.waiting[-2].sub.arrival_time > state.sub.arrival_time:
             self.waiting = deque(sorted(self.waiting, key=lambda s: s.sub.arrival_time))
 
@@ -246,8 +248,10 @@ class Scheduler:
         if s is None:
             return None
         if s.worker_id is None:
-            self.waiting = deque(x for x in self.waiting if x.sub.request_id != request_id)
-            self._levels[s.sub.priority] -= 1
+            i = next((i for i, x in enumerate(self.waiting) if x.sub.request_id == request_id),
+                     None)
+            if i is not None:
+                self._dequeue(i)
         else:
             w = self.workers.get(s.worker_id)
             if w:
@@ -287,19 +291,33 @@ class Scheduler:
                 keep.append(s)
         self.waiting = keep
         self._levels = Counter(s.sub.priority for s in keep)
+        self._models = Counter(s.sub.model for s in keep)
 
-    def _next_waiting(self, now: float) -> int:
-        """Index in `waiting` of the request to place next: the lowest effective priority
-        (priority minus whole `priority_aging_s` periods waited), earliest arrival among equals.
+    def _dequeue(self, i: int) -> RequestState:
+        """Take `waiting[i]` out of the queue and its counts."""
+        s = self.waiting[i]
+        del self.waiting[i]
+        self._levels[s.sub.priority] -= 1
+        self._models[s.sub.model] -= 1
+        return s
+
+    def _next_waiting(self, now: float, blocked: set[str]) -> int | None:
+        """Index in `waiting` of the request to place next among those of models not in
+        `blocked`: the lowest effective priority (priority minus whole `priority_aging_s` periods
+        waited), earliest arrival among equals; None when every waiting request's model is
+        blocked.
 
         `waiting` is in arrival order, so each priority's first entry is its candidate; the scan
-        stops once every priority present has been seen (at once when all share one)."""
+        stops once every priority present has been seen (at once when all share one and no
+        model is blocked)."""
+        if blocked and all(n == 0 or m in blocked for m, n in self._models.items()):
+            return None
         levels = {p for p, n in self._levels.items() if n > 0}
-        if len(levels) <= 1:
-            return 0
-        best, best_key = 0, None
+        if len(levels) <= 1 and not blocked:
+            return 0 if self.waiting else None
+        best, best_key = None, None
         for i, s in enumerate(self.waiting):
-            if s.sub.priority not in levels:
+            if s.sub.priority not in levels or s.sub.model in blocked:
                 continue
             levels.discard(s.sub.priority)
             waited = max(0.0, now - s.sub.arrival_time)
@@ -313,38 +331,40 @@ class Scheduler:
 
     def place(self, now: float | None = None) -> list[RequestState]:
         """Assign waiting requests, by priority then arrival (see `_next_waiting`; `now` is Unix
-        time, default the clock), to the worker with the most free K/V or, nearly as free, the
-        one likely to hold their prefix (`_prefix_home`). Returns those placed."""
+        time, default the clock), to the worker of their model with the most free K/V or,
+        nearly as free, the one likely to hold their prefix (`_prefix_home`). A request that
+        must wait holds back the rest of its model's queue, not other models'. Returns those
+        placed."""
         now = time.time() if now is None else now
         placed: list[RequestState] = []
+        blocked: set[str] = set()  # models whose next request waits
         # request-level: only workers idle now may take requests (this call forms their batch).
         idle = ({w.info.worker_id for w in self.workers.values() if not w.running}
                 if self.policy == "request-level" else None)
-        while self.waiting:
-            i = self._next_waiting(now)
+        while (i := self._next_waiting(now, blocked)) is not None:
             s = self.waiting[i]
             candidates = [w for w in self.workers.values()
                           if w.info.model == s.sub.model and not w.info.draining
                           and len(w.running) < min(self.max_num_seqs, w.info.max_num_seqs)
                           and (idle is None or w.info.worker_id in idle)]
             if not candidates:
-                return placed
+                blocked.add(s.sub.model)
+                continue
             best = self._prefix_home(s, candidates,
                                      max(candidates, key=lambda w: (self._room(w), -len(w.running))))
             need = self._blocks_needed(s, best)
             largest = max(w.info.num_total_blocks for w in candidates)
             if need > largest:  # it would wait forever: fail it now
-                del self.waiting[i]
-                self._levels[s.sub.priority] -= 1
+                self._dequeue(i)
                 del self.requests[s.sub.request_id]
                 self.failed.append(self._event(
                     s, [], "error", f"the request needs {need} K/V blocks (prompt + max_tokens); "
                     f"the largest worker has {largest}", status=400))
                 continue
             if need > self._room(best):
-                return placed  # the chosen request waits; nothing overtakes it
-            del self.waiting[i]
-            self._levels[s.sub.priority] -= 1
+                blocked.add(s.sub.model)  # it waits; nothing of its model overtakes it
+                continue
+            self._dequeue(i)
             s.worker_id = best.info.worker_id
             s.reserved_blocks = need if self.reserves else 0
             best.reserved_blocks += s.reserved_blocks

@@ -100,6 +100,36 @@ def test_fcfs_head_waits_for_room_and_is_not_overtaken():
     assert sched.requests["b"].worker_id == "w"
 
 
+def test_models_queue_apart_a_full_model_holds_back_only_its_own_requests():
+    """Requests go only to workers of their model; the head of one model's queue waiting for
+    room, or for any worker at all, holds back that model's later requests but not other
+    models' (no head-of-line blocking across models); within a model, FCFS still holds."""
+    from dataclasses import replace
+
+    sched = Scheduler("reserve")
+    wa, wb = WorkerInfo("wa", "a", 10, 10, BLOCK, 8, 256), WorkerInfo("wb", "b", 10, 10, BLOCK, 8, 256)
+    sched.update_worker(wa)
+    sched.update_worker(wb)
+
+    def sub(rid, model, prompt_len, t):
+        return replace(_sub(rid, prompt_len, 8, t), model=model)
+
+    sched.add_request(sub("a1", "a", 20, 0.0))  # 7 of wa's 10 blocks
+    sched.add_request(sub("a2", "a", 20, 1.0))  # 7 more: waits for a1
+    sched.add_request(sub("c1", "c", 2, 2.0))  # no worker serves model c: waits
+    sched.add_request(sub("b1", "b", 20, 3.0))  # 7 of wb's
+    sched.add_request(sub("a3", "a", 2, 4.0))  # 3 blocks would fit on wa, but a2 is ahead
+    sched.add_request(sub("b2", "b", 2, 5.0))  # 3 blocks: fits on wb
+    placed = [s.sub.request_id for s in sched.place()]
+    assert placed == ["a1", "b1", "b2"]
+    assert {r: s.worker_id for r, s in sched.requests.items()} == {
+        "a1": "wa", "a2": None, "c1": None, "b1": "wb", "a3": None, "b2": "wb"}
+    assert [s.sub.request_id for s in sched.waiting] == ["a2", "c1", "a3"]
+    sched.update_worker(WorkerInfo("wc", "c", 10, 10, BLOCK, 8, 256))
+    assert [s.sub.request_id for s in sched.place()] == ["c1"]
+    assert sched.requests["c1"].worker_id == "wc"
+
+
 def test_new_request_gets_its_first_token_within_two_iterations():
     sched = Scheduler("reserve")
     w = SimWorker("w", 200)
