@@ -35,6 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import metrics
 from gateway.jobs import jobs_router
+from gateway.models import ModelCatalog, ServedModel
 from gateway.pages import pages_router
 from gateway.prepare import Prepared, RequestPreparation
 from gateway.schemas import (
@@ -61,7 +62,6 @@ from shoal.messages import (
     decode,
     encode,
 )
-from shoal.model_files import load_tokenizer, model_id, resolve_model_path
 from shoal.process import freeze_heap
 
 log = logging.getLogger("shoal.gateway")
@@ -146,35 +146,31 @@ class StopMatcher:
 
 
 class Gateway(RequestPreparation):
-    """State shared by the endpoints: Redis, the tokenizer, the waiting streams; how API
-    requests become the fleet's (`RequestPreparation`)."""
+    """State shared by the endpoints: Redis, the models served (`catalog`: tokenizers, names,
+    context windows), the waiting streams; how API requests become the fleet's
+    (`RequestPreparation`).
 
-    def __init__(self, redis_url: str, model: str | None, prefix: str = "shoal",
-                 served_model_names: tuple[str, ...] = (), chat_template: str | None = None
-                 ) -> None:
+    Args:
+        models: the models served, the first the default (None: the default model alone).
+    """
+
+    def __init__(self, redis_url: str, models: list[ServedModel] | None = None,
+                 prefix: str = "shoal") -> None:
         self.redis_url = redis_url
-        self.model_path = resolve_model_path(model)
-        # Requests may name the model by any of its names; submissions and responses carry the
-        # first, which is the name the workers advertise (vLLM's --served-model-name).
-        self.model_names = tuple(served_model_names) or (model_id(self.model_path),)
-        self.model = self.model_names[0]
-        self.chat_template = chat_template  # replaces the model's own; None keeps it
+        self.catalog = ModelCatalog(models or [ServedModel.at(None)])
         self.keys = Keys(prefix)
         self.gateway_id = f"gw-{uuid.uuid4().hex[:8]}"
         self.channel = self.keys.tokens(self.gateway_id)
         self.queues: dict[str, asyncio.Queue[TokenEvent]] = {}
-        self.tokenizer: Any = None
         self.redis: aioredis.Redis | None = None
         self._listener: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
-        self.max_model_len = 8192
         self.max_overflow_windows = 8  # GatewaySettings.max_overflow_windows, set by create_app
         self.subscribed = False  # the token channel is live: requests may be enqueued
 
     async def start(self) -> None:
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path)
-        if self.chat_template is not None:
-            self.tokenizer.chat_template = self.chat_template
+        for model in self.catalog.models:
+            await asyncio.to_thread(model.load)
         self.redis = aioredis.Redis.from_url(self.redis_url, **_CONNECTION_KWARGS)
         pubsub = self.redis.pubsub()
         await pubsub.subscribe(self.channel)  # before any request is enqueued
@@ -240,7 +236,7 @@ class Gateway(RequestPreparation):
         assert self.redis is not None
         q: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.queues[p.request_id] = q
-        sub = RequestSubmission(p.request_id, self.model, p.prompt_ids, p.params, time.time(),
+        sub = RequestSubmission(p.request_id, p.model.name, p.prompt_ids, p.params, time.time(),
                                 self.channel, p.priority)
         finished = False
         t0 = time.perf_counter()
@@ -251,7 +247,7 @@ class Gateway(RequestPreparation):
             pipe = self.redis.pipeline(transaction=False)
             pipe.xadd(self.keys.requests, {"m": encode(sub)})
             await self._ring(pipe).execute()
-            detok = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens)
+            detok = IncrementalDetokenizer(p.model.tokenizer, p.skip_special_tokens)
             stops = StopMatcher(p.stops, p.include_stop_str)
             next_index = 0
             while True:
@@ -379,9 +375,13 @@ class Gateway(RequestPreparation):
                     num_total_blocks=info.num_total_blocks, block_size=info.block_size,
                     num_running=info.num_running, max_model_len=info.max_model_len,
                     heartbeat_age_s=max(0.0, now - info.heartbeat_at) if info.heartbeat_at else None))
-        return FleetStatus(model=self.model, num_waiting=int(waiting or 0), workers=workers)
+        return FleetStatus(model=self.catalog.default.name,
+                           models=[m.name for m in self.catalog.models],
+                           num_waiting=int(waiting or 0), workers=workers)
 
     async def ready(self) -> tuple[bool, str]:
+        """Ready when every model served has an alive worker (each model learns its context
+        window from them); else why not."""
         assert self.redis is not None
         if not self.subscribed:
             return False, "not subscribed to the token channel (Redis reconnecting)"
@@ -389,14 +389,17 @@ class Gateway(RequestPreparation):
             ids = [i.decode() for i in await self.redis.smembers(self.keys.workers)]
         except Exception as e:  # noqa: BLE001 - any Redis failure means not ready
             return False, f"redis unreachable: {e}"
+        unserved = {m.name: m for m in self.catalog.models}
         for wid in ids:
-            if await self.redis.exists(self.keys.alive(wid)):
+            if unserved and await self.redis.exists(self.keys.alive(wid)):
                 raw = await self.redis.hget(self.keys.worker(wid), "info")
                 info = decode(raw) if raw else None
-                if isinstance(info, WorkerInfo) and info.model == self.model:
-                    self.max_model_len = info.max_model_len
-                    return True, "ok"
-        return False, f"no alive worker serves {self.model}"
+                model = self.catalog.served_by(info.model) if isinstance(info, WorkerInfo) else None
+                if model is not None and unserved.pop(model.name, None) is not None:
+                    model.max_model_len = info.max_model_len
+        if unserved:
+            return False, f"no alive worker serves {', '.join(unserved)}"
+        return True, "ok"
 
 
 # Served without a key: probes, and the pages (which send the key the user types with each call).
@@ -487,7 +490,8 @@ class _EventStream(StreamingResponse):
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
-def _prompt_logprobs(gw: Gateway, ids: list[int], c: _Choice, k: int) -> list[dict | None]:
+def _prompt_logprobs(model: ServedModel, ids: list[int], c: _Choice, k: int
+                     ) -> list[dict | None]:
     """vLLM's `prompt_logprobs`: None for the first prompt token, then for each one a map from
     token id to `{"logprob", "rank", "decoded_token"}` holding the prompt token and its
     position's `k` most likely tokens (ranks 1 to k)."""
@@ -497,10 +501,10 @@ def _prompt_logprobs(gw: Gateway, ids: list[int], c: _Choice, k: int) -> list[di
         if lp is None:
             out.append(None)
             continue
-        entry = {str(ids[pos]): {"logprob": lp, "rank": rank, "decoded_token": gw.token_text(ids[pos])}}
+        entry = {str(ids[pos]): {"logprob": lp, "rank": rank, "decoded_token": model.token_text(ids[pos])}}
         for j, (t, v) in enumerate((top or [])[:k]):
             entry.setdefault(str(t), {"logprob": v, "rank": j + 1,
-                                      "decoded_token": gw.token_text(t)})
+                                      "decoded_token": model.token_text(t)})
         out.append(entry)
     return out
 
@@ -613,14 +617,11 @@ class _CountRequests:
                 metrics.REQUESTS.labels(endpoint, str(status[0])).inc()
 
 
-def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
-               settings: GatewaySettings | None = None, served_model_names: tuple[str, ...] = (),
-               chat_template: str | None = None) -> FastAPI:
-    """The gateway's FastAPI application, for `model` (a path; None: the default model) served
-    under `served_model_names` (default: its file's name), chatting through `chat_template`
-    (default: the model's own)."""
+def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: str = "shoal",
+               settings: GatewaySettings | None = None) -> FastAPI:
+    """The gateway's FastAPI application, serving `models` (None: the default model)."""
     settings = settings or GatewaySettings()
-    gw = Gateway(redis_url, model, prefix, served_model_names, chat_template)
+    gw = Gateway(redis_url, models, prefix)
     gw.max_overflow_windows = settings.max_overflow_windows
 
     @contextlib.asynccontextmanager
@@ -691,23 +692,24 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
     @app.get("/v1/models", responses=error_responses(401))
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
-                                            "owned_by": "shoal"} for name in gw.model_names]}
+                                            "owned_by": "shoal"} for name in gw.catalog.names]}
 
     @app.post("/tokenize", responses=error_responses(400, 401, 404))
     async def tokenize(req: TokenizeRequest):
         """vLLM's: the token ids a completions prompt or a chat's messages would be sent as."""
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give either prompt or messages", param="prompt")
-        gw.check_model(req.model)
-        ids = gw.chat_ids(req.messages) if req.messages is not None else gw.prompt_ids(req.prompt)
-        return {"count": len(ids), "max_model_len": gw.max_model_len, "tokens": ids}
+        model = gw.catalog.get(req.model)
+        ids = (model.chat_ids(req.messages) if req.messages is not None
+               else model.prompt_ids(req.prompt))
+        return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", responses=error_responses(400, 401, 404))
     async def detokenize(req: DetokenizeRequest):
         """vLLM's: the text of token ids."""
-        gw.check_model(req.model)
-        gw.check_token_ids(req.tokens, "tokens")
-        return {"prompt": gw.tokenizer.decode(req.tokens)}
+        model = gw.catalog.get(req.model)
+        model.check_token_ids(req.tokens, "tokens")
+        return {"prompt": model.decode(req.tokens)}
 
     async def _collect(ps: list[Prepared]) -> list[_Choice]:
         """Every choice run to its end; the first failure raises (and cancels the others)."""
@@ -768,7 +770,8 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         ps = gw.choices(prompts, req.n)
         await admit(ps, request.headers.get("authorization"))
         created = int(time.time())
-        base = {"id": rid, "object": "text_completion", "created": created, "model": gw.model}
+        model = ps[0].model
+        base = {"id": rid, "object": "text_completion", "created": created, "model": model.name}
 
         def logprobs(ids: list[int], lps: list, tops: list | None, start: int = 0) -> dict | None:
             """The legacy completions form: parallel lists, each step's alternatives as a map
@@ -776,9 +779,9 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
             for the first; the token texts' lengths after it, as vLLM counts)."""
             if req.logprobs is None:
                 return None
-            texts = [gw.token_text(t) for t in ids]
+            texts = [model.token_text(t) for t in ids]
             return {"tokens": texts, "token_logprobs": lps,
-                    "top_logprobs": [None if top is None else {gw.token_text(t): lp for t, lp in top}
+                    "top_logprobs": [None if top is None else {model.token_text(t): lp for t, lp in top}
                                      for top in tops] if req.logprobs and tops else None,
                     "text_offset": list(itertools.accumulate(map(len, texts[:-1]), initial=start))
                     if texts else []}
@@ -801,7 +804,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
                     # The prompt opens the choice, as vLLM streams echo: alone once it is
                     # scored, else with the first generated text.
                     unechoed[i] = None
-                    piece = gw.tokenizer.decode(ps[i].prompt_ids) + piece
+                    piece = model.decode(ps[i].prompt_ids) + piece
                     if req.logprobs is not None:
                         pids, plps, ptops = prompt.echo(ps[i].prompt_ids, req.logprobs)
                         ids, lps = pids + list(ids), plps + list(lps)
@@ -814,7 +817,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         done = await _collect(ps)
         if req.echo:  # the prompt first
             for p, c in zip(ps, done):
-                c.text = gw.tokenizer.decode(p.prompt_ids) + c.text
+                c.text = model.decode(p.prompt_ids) + c.text
                 if req.logprobs is not None:
                     ids, lps, tops = c.echo(p.prompt_ids, req.logprobs)
                     c.ids[:0], c.logprobs[:0], c.tops[:0] = ids, lps, tops
@@ -823,7 +826,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
             out = {"index": i, "text": c.text, "logprobs": logprobs(c.ids, c.logprobs, c.tops),
                    "finish_reason": _finish(c.last)}
             if req.prompt_logprobs is not None:
-                out["prompt_logprobs"] = _prompt_logprobs(gw, p.prompt_ids, c, req.prompt_logprobs)
+                out["prompt_logprobs"] = _prompt_logprobs(model, p.prompt_ids, c, req.prompt_logprobs)
             return out
         return {**base, "choices": [choice(i, p, c) for i, (p, c) in enumerate(zip(ps, done))],
                 "usage": _usage(prompts, *(c.last for c in done))}
@@ -835,7 +838,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
         await admit(ps, request.headers.get("authorization"))
         created = int(time.time())
         base = {"id": p.request_id, "object": "chat.completion.chunk", "created": created,
-                "model": gw.model}
+                "model": p.model.name}
 
         def logprobs(ids: list[int], lps: list, tops: list | None) -> dict | None:
             """The chat form: an entry per token with its text's bytes and its step's
@@ -844,7 +847,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
                 return None
 
             def entry(t: int, lp: float | None) -> dict[str, Any]:
-                text = gw.token_text(t)
+                text = p.model.token_text(t)
                 return {"token": text, "logprob": lp, "bytes": list(text.encode())}
             return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]}
                                 for t, lp, top in zip(ids, lps, tops or [[]] * len(ids))]}
@@ -878,7 +881,7 @@ def create_app(redis_url: str, model: str | None = None, prefix: str = "shoal",
                 reason = tools.finish_reason(reason, calls)
             return {"index": i, "message": message,
                     "logprobs": logprobs(c.ids, c.logprobs, c.tops), "finish_reason": reason}
-        prompt_logprobs = ({"prompt_logprobs": _prompt_logprobs(gw, p.prompt_ids, done[0],
+        prompt_logprobs = ({"prompt_logprobs": _prompt_logprobs(p.model, p.prompt_ids, done[0],
                                                                 req.prompt_logprobs)}
                            if req.prompt_logprobs is not None else {})
         return {**base, "object": "chat.completion",

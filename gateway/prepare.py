@@ -2,23 +2,19 @@
 the text (stop strings, special tokens, tool calls), checked so that a bad request gets a 400
 naming its parameter before anything is queued.
 
-`RequestPreparation` is a part of `gateway.app.Gateway`, which gives it the model's tokenizer
-(`tokenizer`), its name (`model`), the fleet's context window (`max_model_len`, from the
-workers' heartbeats) and `max_overflow_windows`.
+`RequestPreparation` is a part of `gateway.app.Gateway`, which gives it the models it serves
+(`catalog`: each one's tokenizer, names and context window) and `max_overflow_windows`.
 """
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any
 
-from jinja2 import TemplateError
-
+from gateway.models import ModelCatalog, ServedModel
 from gateway.schemas import (
     MAX_REQUESTS,
     APIError,
-    ChatMessage,
     ChatRequest,
     CompletionRequest,
     GenerationRequest,
@@ -30,10 +26,12 @@ from shoal.structured_output import InvalidStructuredOutput, StructuredOutput
 
 @dataclass
 class Prepared:
-    """One request ready for the fleet, with what the gateway itself does to its text: cut it at
-    `stops` (keeping the stop string with `include_stop_str`), and leave special tokens out
-    unless `skip_special_tokens` is False; with `tools`, its text is tool calls."""
+    """One request ready for the fleet, for `model`, with what the gateway itself does to its
+    text: cut it at `stops` (keeping the stop string with `include_stop_str`), and leave
+    special tokens out unless `skip_special_tokens` is False; with `tools`, its text is tool
+    calls."""
 
+    model: ServedModel
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -47,36 +45,33 @@ class Prepared:
 class RequestPreparation:
     """Turns completions and chat requests into `Prepared` requests (see the module)."""
 
-    tokenizer: Any
-    model: str
-    model_names: tuple[str, ...]
-    max_model_len: int
+    catalog: ModelCatalog
     max_overflow_windows: int
 
-    def _params(self, req: GenerationRequest, max_tokens: int | None, prompt_len: int,
-                logprobs: bool, top_logprobs: int = 0, prompt_logprobs: int | None = None,
+    def _params(self, req: GenerationRequest, model: ServedModel, max_tokens: int | None,
+                prompt_len: int, logprobs: bool, top_logprobs: int = 0,
+                prompt_logprobs: int | None = None,
                 constraint: StructuredOutput | None = None) -> SamplingParams:
-        self.check_model(req.model)
         if req.prompt_logprobs is not None and req.stream:
             raise APIError("prompt_logprobs with stream is not supported", param="prompt_logprobs")
-        room = self.max_model_len - prompt_len
+        window = model.max_model_len
+        room = window - prompt_len
         if room < 1:
-            raise APIError(f"the prompt has {prompt_len} tokens; the context window is "
-                           f"{self.max_model_len}",
+            raise APIError(f"the prompt has {prompt_len} tokens; the context window is {window}",
                            param="messages" if isinstance(req, ChatRequest) else "prompt")
         if req.context_overflow == "error":
             max_tokens = min(max_tokens or room, room)
         else:
             # Past the window only when asked for, and at most `max_overflow_windows` windows'
             # worth: an unbounded request would hold a worker's batch slot forever.
-            limit = self.max_overflow_windows * self.max_model_len
+            limit = self.max_overflow_windows * window
             if max_tokens is not None and max_tokens > limit:
                 raise APIError(f"with context_overflow, max_tokens is at most {limit} "
                                f"({self.max_overflow_windows} context windows)", param="max_tokens")
             max_tokens = max_tokens or room
         try:
             for name in ("stop_token_ids", "allowed_token_ids"):
-                self.check_token_ids(getattr(req, name) or [], name)
+                model.check_token_ids(getattr(req, name) or [], name)
             structured = constraint or self._structured_output(req)
             if structured is not None and req.allowed_token_ids:
                 raise APIError("allowed_token_ids cannot be combined with a structured output",
@@ -91,7 +86,7 @@ class RequestPreparation:
                                   presence_penalty=req.presence_penalty,
                                   frequency_penalty=req.frequency_penalty,
                                   repetition_penalty=req.repetition_penalty,
-                                  logit_bias=self._logit_bias(req.logit_bias),
+                                  logit_bias=_logit_bias(req.logit_bias, model.vocab_size),
                                   context_overflow=req.context_overflow, n_keep=req.n_keep,
                                   n_discard=req.n_discard, cache_salt=req.cache_salt,
                                   structured_output=structured)
@@ -120,28 +115,15 @@ class RequestPreparation:
                 raise APIError(f"{param}: {e}", param=param) from e
         return constraint
 
-    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-        """OpenAI's `logit_bias` (token ids as strings) as (token id, bias) pairs.
-
-        Raises:
-            APIError: a key is not a token id of this model's vocabulary.
-        """
-        vocab = len(self.tokenizer)
-        pairs = []
-        for key, value in (bias or {}).items():
-            if not key.isdecimal() or int(key) >= vocab:
-                raise APIError(f"logit_bias: {key!r} is not a token id in [0, {vocab})",
-                               param="logit_bias")
-            pairs.append((int(key), value))
-        return tuple(pairs)
-
     def prepare_completion(self, req: CompletionRequest) -> tuple[str, list[Prepared]]:
         """The response's id and one request per prompt (a string, token ids, or a list of
         either), in order: the id itself for one prompt, `<id>-<k>` for prompt k of several.
 
         Raises:
-            APIError: an empty prompt, a token id outside the vocabulary, too many requests.
+            APIError: an empty prompt, a token id outside the vocabulary, too many requests, a
+                model not served here (404).
         """
+        model = self.catalog.get(req.model)
         prompt = req.prompt
         batch = prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
         if len(batch) * req.n > MAX_REQUESTS:
@@ -153,95 +135,33 @@ class RequestPreparation:
         rid = f"cmpl-{uuid.uuid4().hex}"
         out = []
         for k, item in enumerate(batch):
-            ids = _truncate(self.prompt_ids(item), req.truncate_prompt_tokens)
-            params = self._params(req, req.max_tokens, len(ids), req.logprobs is not None,
+            ids = _truncate(model.prompt_ids(item), req.truncate_prompt_tokens)
+            params = self._params(req, model, req.max_tokens, len(ids), req.logprobs is not None,
                                   req.logprobs or 0, max(scored, default=None))
-            out.append(self._prepared(rid if len(batch) == 1 else f"{rid}-{k}", ids, params, req))
+            out.append(_prepared(model, rid if len(batch) == 1 else f"{rid}-{k}", ids, params,
+                                 req))
         return rid, out
 
-    @staticmethod
-    def _prepared(request_id: str, ids: list[int], params: SamplingParams,
-                  req: GenerationRequest) -> Prepared:
-        return Prepared(request_id, ids, params, _stops(req.stop), req.priority,
-                        req.include_stop_str_in_output, req.skip_special_tokens)
-
-    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        """One prompt's token ids.
-
-        Raises:
-            APIError: it is empty or names a token id outside the vocabulary.
-        """
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        else:
-            ids = list(prompt)
-            self.check_token_ids(ids, "prompt")
-        if not ids:
-            raise APIError("the prompt is empty", param="prompt")
-        return ids
-
-    def check_token_ids(self, ids: list[int], param: str) -> None:
-        """Raises APIError (400, naming `param`) unless every id is in the vocabulary."""
-        vocab = len(self.tokenizer)
-        if any(t < 0 or t >= vocab for t in ids):
-            raise APIError(f"token ids must be in [0, {vocab})", param=param)
-
-    def check_model(self, model: str | None) -> None:
-        """Raises APIError (404) unless `model` is None or a name of the model this fleet
-        serves (`model_names`)."""
-        if model is not None and model not in self.model_names:
-            raise APIError(f"model {model!r} is not served here; try {self.model!r}",
-                           status=404, param="model", kind="not_found_error")
-
-    def token_text(self, token_id: int) -> str:
-        """One token's text on its own, as logprobs name tokens (a piece of a multi-byte
-        character shows as U+FFFD)."""
-        return self.tokenizer.decode([token_id])
-
-    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                 continue_final_message: bool = False,
-                 template_kwargs: dict[str, Any] | None = None,
-                 tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The token ids a chat request's prompt is: the model's chat template over the
-        messages, with the assistant's turn opened (`add_generation_prompt`), or the last
-        message left open for the model to go on with (`continue_final_message`, as vLLM's);
-        `template_kwargs` are more variables for the template, and `tools` the functions it
-        may show the model (templates without tool support leave them out).
-
-        Raises:
-            APIError: both options at once, a template variable that is one of
-                `apply_chat_template`'s own arguments, or a template that fails on the
-                messages.
-        """
-        if add_generation_prompt and continue_final_message:
-            raise APIError("add_generation_prompt and continue_final_message cannot both be true",
-                           param="continue_final_message")
-        kwargs = dict(template_kwargs or {})
-        if reserved := sorted(kwargs.keys() & _TEMPLATE_ARGUMENTS):
-            raise APIError(f"chat_template_kwargs may not set {', '.join(reserved)}",
-                           param="chat_template_kwargs")
-        try:
-            return list(self.tokenizer.apply_chat_template(
-                [m.for_template() for m in messages], add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tools=tools, tokenize=True,
-                return_dict=True, **kwargs)["input_ids"])
-        except (ValueError, TemplateError) as e:  # jinja's, or transformers' own checks
-            raise APIError(f"the chat template cannot render these messages: {e}",
-                           param="messages") from e
-
     def prepare_chat(self, req: ChatRequest) -> Prepared:
+        """The chat request ready for the fleet.
+
+        Raises:
+            APIError: anything `ModelCatalog.get`, `ServedModel.chat_ids`, `ToolCalls.of` or the
+                sampling parameters refuse.
+        """
+        model = self.catalog.get(req.model)
         tools = ToolCalls.of(req)
-        ids = _truncate(self.chat_ids(
+        ids = _truncate(model.chat_ids(
             req.messages, req.add_generation_prompt, req.continue_final_message,
             req.chat_template_kwargs,
             [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None),
             req.truncate_prompt_tokens)
         if req.top_logprobs and not req.logprobs:
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
-        params = self._params(req, req.max_completion_tokens or req.max_tokens, len(ids),
+        params = self._params(req, model, req.max_completion_tokens or req.max_tokens, len(ids),
                               req.logprobs, req.top_logprobs or 0, req.prompt_logprobs,
                               constraint=tools.constraint if tools else None)
-        return replace(self._prepared(f"chatcmpl-{uuid.uuid4().hex}", ids, params, req),
+        return replace(_prepared(model, f"chatcmpl-{uuid.uuid4().hex}", ids, params, req),
                        tools=tools)
 
     @staticmethod
@@ -257,12 +177,25 @@ class RequestPreparation:
                 for p in prompts for i in range(n)]
 
 
-# `apply_chat_template`'s own arguments, which `chat_template_kwargs` may not pass as template
-# variables.
-_TEMPLATE_ARGUMENTS = {"conversation", "tools", "documents", "chat_template",
-                       "add_generation_prompt", "continue_final_message", "tokenize", "padding",
-                       "truncation", "max_length", "return_tensors", "return_dict",
-                       "return_assistant_tokens_mask", "tokenizer_kwargs"}
+def _prepared(model: ServedModel, request_id: str, ids: list[int], params: SamplingParams,
+              req: GenerationRequest) -> Prepared:
+    return Prepared(model, request_id, ids, params, _stops(req.stop), req.priority,
+                    req.include_stop_str_in_output, req.skip_special_tokens)
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` (token ids as strings) as (token id, bias) pairs.
+
+    Raises:
+        APIError: a key is not a token id in the model's vocabulary of `vocab` tokens.
+    """
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.isdecimal() or int(key) >= vocab:
+            raise APIError(f"logit_bias: {key!r} is not a token id in [0, {vocab})",
+                           param="logit_bias")
+        pairs.append((int(key), value))
+    return tuple(pairs)
 
 
 def _truncate(ids: list[int], keep: int | None) -> list[int]:

@@ -428,7 +428,8 @@ class FleetStatus(BaseModel):
     """`GET /v1/fleet`: what the scheduler places requests by."""
 
     object: Literal["fleet"] = "fleet"
-    model: str
+    model: str = Field(description="the default model (of requests that name none)")
+    models: list[str] = Field(description="every model served, by the name its workers advertise")
     num_waiting: int = Field(description="requests waiting in the scheduler's queue")
     workers: list[FleetWorker]
 

@@ -412,8 +412,8 @@ class SchedulerServer:
             return None if t is None else round(t - arrival, 4)
 
         log.info(json.dumps({
-            "event": "request_finished", "request_id": s.sub.request_id, "worker": worker_id,
-            "priority": s.sub.priority, "arrival_time": round(arrival, 4),
+            "event": "request_finished", "request_id": s.sub.request_id, "model": s.sub.model,
+            "worker": worker_id, "priority": s.sub.priority, "arrival_time": round(arrival, 4),
             "prompt_tokens": len(s.sub.prompt_token_ids),
             "generated_tokens": len(s.output_token_ids), "queue_time_s": since(s.admitted_at),
             "ttft_s": since(s.first_token_at), "e2e_s": since(now), "finish_reason": reason,

@@ -191,7 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--redis-url", required=True)
     gw.add_argument("--host", default="127.0.0.1")
     gw.add_argument("--port", type=_positive_int, default=8000)
-    gw.add_argument("--model", default=None, help="model whose tokenizer to use (default: SmolLM2)")
+    gw.add_argument("--model", action="append", default=None,
+                    help="a model served: its GGUF file or directory, for the tokenizer; "
+                         "repeatable (several models, each named by its file; the first is the "
+                         "default of requests that name none; default: SmolLM2)")
     _add_served_model_name_arg(gw)
     _add_chat_template_arg(gw)
     gw.add_argument("--prefix", default="shoal", help="Redis key prefix")
@@ -215,7 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--port", type=_positive_int, default=8000)
     u.add_argument("--workers", type=_positive_int, default=1)
     u.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
-    u.add_argument("--model", default=None)
+    u.add_argument("--model", action="append", default=None,
+                   help="GGUF file or model directory; repeatable: --workers workers for each "
+                        "model, one gateway for all (default: SmolLM2)")
     _add_served_model_name_arg(u)
     _add_chat_template_arg(u)
     u.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
@@ -600,13 +605,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import PUBLIC_PATHS, GatewaySettings, create_app
-    from shoal.model_files import ChatTemplateError, load_chat_template, resolve_model_path
 
-    resolve_model_path(args.model)  # fail fast with a clear message
-    try:
-        template = None if args.chat_template is None else load_chat_template(args.chat_template)
-    except ChatTemplateError as e:
-        raise CLIError(f"--chat-template: {e}") from e
+    models = _served_models(args.model, args.served_model_name, args.chat_template)
     keys = [k for k in args.api_key if k]
     keys += [k.strip() for k in os.environ.get("SHOAL_API_KEYS", "").split(",") if k.strip()]
     if args.api_key_file:
@@ -621,15 +621,41 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
                                requests_per_minute=args.requests_per_minute,
                                tokens_per_minute=args.tokens_per_minute,
                                max_overflow_windows=args.max_overflow_windows)
-    app = create_app(args.redis_url, args.model, args.prefix, settings,
-                     served_model_names=tuple(args.served_model_name or ()), chat_template=template)
+    app = create_app(args.redis_url, models, args.prefix, settings)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 
+def _served_models(paths: list[str] | None, names: list[str] | None,
+                   chat_template: str | None) -> list:
+    """The gateway's `ServedModel`s from its flags: each `--model` (none: the default model),
+    named by `--served-model-name` or its file, with `--chat-template`'s template.
+
+    Raises:
+        CLIError: a model that is not there, names or a template given for several models, a
+            template that cannot be read or does not compile, two models of one name.
+    """
+    from gateway.models import ModelCatalog, ServedModel
+    from shoal.model_files import ChatTemplateError, load_chat_template
+
+    paths = paths or [None]
+    if len(paths) > 1 and (names or chat_template is not None):
+        raise CLIError("--served-model-name and --chat-template apply to one --model; several "
+                       "models are named by their files")
+    try:
+        template = None if chat_template is None else load_chat_template(chat_template)
+    except ChatTemplateError as e:
+        raise CLIError(f"--chat-template: {e}") from e
+    models = [ServedModel.at(p, tuple(names or ()), template) for p in paths]
+    try:
+        ModelCatalog(models)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    return models
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     from shoal.fleet import up
-    from shoal.model_files import ChatTemplateError, load_chat_template
     from worker.config import SpeculativeConfig
 
     if args.speculative_config is not None:  # refused here, not by every worker as it starts
@@ -645,24 +671,22 @@ def _cmd_up(args: argparse.Namespace) -> int:
                    else "--no-enable-prefix-caching"]
     if args.enforce_eager:
         worker_args.append("--enforce-eager")
+    # Refused here, not by the gateway as it starts.
+    _served_models(args.model, args.served_model_name, args.chat_template)
     gateway_args: list[str] = []
     if args.served_model_name:
         worker_args += ["--served-model-name", args.served_model_name[0]]
         gateway_args += ["--served-model-name", *args.served_model_name]
     if args.chat_template is not None:
-        try:  # refused here, not by the gateway as it starts
-            load_chat_template(args.chat_template)
-        except ChatTemplateError as e:
-            raise CLIError(f"--chat-template: {e}") from e
         gateway_args += ["--chat-template", args.chat_template]
-    for flag, value in (("--model", args.model), ("--kv-cache-bytes", args.kv_cache_bytes),
+    for flag, value in (("--kv-cache-bytes", args.kv_cache_bytes),
                         ("--max-model-len", args.max_model_len), ("--threads", args.threads),
                         ("--speculative-config", args.speculative_config)):
         if value is not None:
             worker_args += [flag, str(value)]
     try:
         return up(args.host, args.port, args.workers, args.redis_url, worker_args, args.threads,
-                  args.metrics_port_base, args.jobs, args.policy, gateway_args)
+                  args.metrics_port_base, args.jobs, args.policy, gateway_args, args.model or ())
     except (RuntimeError, FileNotFoundError) as e:
         raise CLIError(str(e)) from e
 

@@ -163,13 +163,16 @@ class Fleet:
 def start_fleet(host: str, port: int, workers: int, redis_url: str | None,
                 worker_args: list[str], threads: int | None, metrics_port_base: int = 9400,
                 jobs: bool = False, policy: str = "reserve", ready_timeout_s: float = 180,
-                log: IO | None = None, gateway_args: list[str] | tuple[str, ...] = ()) -> Fleet:
+                log: IO | None = None, gateway_args: list[str] | tuple[str, ...] = (),
+                models: list[str] | tuple[str, ...] = ()) -> Fleet:
     """Start Redis (unless `redis_url` names one), the scheduler, `workers` workers (each with
     `worker_args`, the engine's flags, and `worker_env(threads)`) and the gateway on
     `host:port`, plus a Celery worker with `jobs`; return once the gateway's /readyz answers.
+    With `models` (paths), `workers` workers serve each model and the gateway all of them;
+    else the workers serve the `--model` in `worker_args`, if any, and so does the gateway.
     The scheduler exports metrics on `metrics_port_base`, worker i on `metrics_port_base + 1 + i`
-    (0 turns them off). The gateway gets the workers' `--model` and `gateway_args`. The
-    processes write their logs to `log` (a file), else to this process's stdout and stderr.
+    (0 turns them off). The gateway also gets `gateway_args`. The processes write their logs
+    to `log` (a file), else to this process's stdout and stderr.
 
     Raises:
         RuntimeError: a process exited, or the fleet was not ready within `ready_timeout_s`
@@ -194,12 +197,16 @@ def start_fleet(host: str, port: int, workers: int, redis_url: str | None,
 
         scheduler = start("scheduler", "--redis-url", redis_url, "--metrics-port", mport(0),
                           "--policy", policy)
+        if models:
+            model_args = [a for m in models for a in ("--model", m)]
+            each = [[*worker_args, "--model", m] for m in models for _ in range(workers)]
+        else:
+            model_args = [a for i, a in enumerate(worker_args)
+                          if a == "--model" or (i and worker_args[i - 1] == "--model")]
+            each = [worker_args] * workers
         worker_procs = [start("worker", "--redis-url", redis_url, "--worker-id", f"worker-{i}",
-                              "--metrics-port", mport(1 + i), *worker_args,
-                              env=worker_env(threads))
-                        for i in range(workers)]
-        model_args = [a for i, a in enumerate(worker_args)
-                      if a == "--model" or (i and worker_args[i - 1] == "--model")]
+                              "--metrics-port", mport(1 + i), *args, env=worker_env(threads))
+                        for i, args in enumerate(each)]
         gateway = start("gateway", "--redis-url", redis_url, "--host", host, "--port", str(port),
                         *model_args, *gateway_args)
         url = f"http://{host}:{port}"
@@ -216,7 +223,8 @@ def start_fleet(host: str, port: int, workers: int, redis_url: str | None,
 
 def up(host: str, port: int, workers: int, redis_url: str | None, worker_args: list[str],
        threads: int | None, metrics_port_base: int = 9400, jobs: bool = False,
-       policy: str = "reserve", gateway_args: list[str] | tuple[str, ...] = ()) -> int:
+       policy: str = "reserve", gateway_args: list[str] | tuple[str, ...] = (),
+       models: list[str] | tuple[str, ...] = ()) -> int:
     """Run the fleet (`start_fleet`) until Ctrl-C / SIGTERM. Returns the exit status."""
     stopping = False
 
@@ -227,7 +235,7 @@ def up(host: str, port: int, workers: int, redis_url: str | None, worker_args: l
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     fleet = start_fleet(host, port, workers, redis_url, worker_args, threads, metrics_port_base,
-                        jobs, policy, gateway_args=gateway_args)
+                        jobs, policy, gateway_args=gateway_args, models=models)
     try:
         print(f"shoal fleet ready at {fleet.url} (redis {fleet.redis_url}, {workers} workers)",
               flush=True)

@@ -56,6 +56,11 @@ def test_bad_arguments_fail_clearly(tmp_path):
         (["gateway", "--redis-url", "redis://127.0.0.1:1/0", "--chat-template",
           str(tmp_path / "missing.jinja")], "cannot read the chat template"),
         (["up", "--chat-template", "{% for m in messages %}"], "does not compile"),
+        (["up", "--model", str(tmp_path / "missing.gguf")], "does not exist"),
+        (["gateway", "--redis-url", "redis://127.0.0.1:1/0", "--model", "default", "--model",
+          "default"], "two models are named"),
+        (["up", "--model", "default", "--model", "default", "--served-model-name", "x"],
+         "apply to one --model"),
     ]:
         r = _shoal(*args)
         assert r.returncode != 0
@@ -124,14 +129,14 @@ def test_up_hands_the_engine_flags_to_its_workers(monkeypatch):
 def test_up_gives_the_served_names_to_gateway_and_workers(monkeypatch, tmp_path):
     """`shoal up --served-model-name A B`: the gateway answers to both names, the workers
     advertise the first (the name requests are matched to them by); the chat template goes to
-    the gateway, which formats chats."""
+    the gateway, which formats chats. With several `--model`s, each gets workers of its own."""
     import shoal.fleet
     from shoal.cli import main
 
     seen = {}
 
     def fake_up(host, port, workers, redis_url, worker_args, *rest):
-        seen["worker"], seen["gateway"] = worker_args, rest[-1]
+        seen["worker"], seen["gateway"], seen["models"] = worker_args, rest[-2], rest[-1]
         return 0
 
     monkeypatch.setattr(shoal.fleet, "up", fake_up)
@@ -142,6 +147,14 @@ def test_up_gives_the_served_names_to_gateway_and_workers(monkeypatch, tmp_path)
     assert seen["worker"][-2:] == ["--served-model-name", "smol"]
     assert seen["gateway"] == ["--served-model-name", "smol", "helper",
                                "--chat-template", str(template)]
+    # Several models: each its own workers, named by its file.
+    from shoal.model_files import default_model_path
+
+    other = tmp_path / "Other-Model.gguf"
+    other.symlink_to(default_model_path())
+    assert main(["up", "--model", str(default_model_path()), "--model", str(other)]) == 0
+    assert seen["models"] == [str(default_model_path()), str(other)]
+    assert "--model" not in seen["worker"] and seen["gateway"] == []
 
 
 def test_engine_argv_gives_a_worker_the_same_engine():

@@ -199,7 +199,7 @@ def test_one_json_log_line_per_finished_request(caplog):
     with caplog.at_level(logging.INFO, logger="shoal.scheduler"):
         SchedulerServer._log_finished(state, "length", "w0", 101.0)
     line = json.loads(caplog.records[-1].getMessage())
-    assert line == {"event": "request_finished", "request_id": "cmpl-x", "worker": "w0",
+    assert line == {"event": "request_finished", "request_id": "cmpl-x", "model": "m", "worker": "w0",
                     "priority": 0, "arrival_time": 100.0,
                     "prompt_tokens": 3, "generated_tokens": 2, "queue_time_s": 0.5, "ttft_s": 0.75,
                     "e2e_s": 1.0, "finish_reason": "length"}

@@ -46,7 +46,7 @@ def test_the_scheduler_sleeps_until_a_request_or_a_cancel_rings(redis_url, monke
     async def scenario() -> None:
         gw = Gateway(redis_url, None)
         await gw.start()
-        info = WorkerInfo("w-sim", gw.model, 1000, 1000, 16, 256, 8192, 0, False, "inc-1",
+        info = WorkerInfo("w-sim", gw.catalog.default.name, 1000, 1000, 16, 256, 8192, 0, False, "inc-1",
                           time.time())
         r.sadd(keys.workers, "w-sim")
         r.hset(keys.worker("w-sim"), "info", encode(info))
