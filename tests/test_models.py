@@ -86,6 +86,14 @@ def test_each_request_runs_on_a_worker_of_the_model_it_names(two_model_fleet, or
         assert entry["model"] == model
         assert entry["worker"] == ("worker-1" if model == OTHER else "worker-0")
 
+    # The gateway's token counts, per model.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts = {s.labels["model_name"]: s.value
+              for f in text_string_to_metric_families(httpx.get(fleet.url + "/metrics").text)
+              for s in f.samples if s.name == "shoal_generation_tokens_total"}
+    assert counts == {names[0]: 6 * 8, OTHER: 3 * 8}
+
     r = httpx.post(fleet.url + "/v1/chat/completions", timeout=30, json={
         "model": "gpt-9", "messages": [{"role": "user", "content": "Hi"}]})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
