@@ -14,7 +14,6 @@ import contextlib
 import hashlib
 import hmac
 import itertools
-import json
 import logging
 import time
 import uuid
@@ -26,7 +25,7 @@ import redis
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.datastructures import Headers
@@ -38,6 +37,7 @@ from gateway.jobs import jobs_router
 from gateway.models import ModelCatalog, ServedModel
 from gateway.pages import pages_router
 from gateway.prepare import Prepared, RequestPreparation
+from gateway.responses import ResponseShape, ResponsesRequest, renamed
 from gateway.schemas import (
     GENERATION_RESPONSES,
     APIError,
@@ -51,6 +51,7 @@ from gateway.schemas import (
     error_responses,
     invalid_request,
 )
+from gateway.sse import ChunkGroup, EventStream, TypedEventStream
 from shoal.detokenizer import IncrementalDetokenizer
 from shoal.keys import Keys
 from shoal.messages import (
@@ -464,35 +465,6 @@ async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, 
             r.cancel()
 
 
-# Chunks of a stream that go out in one write, and whether they end it.
-ChunkGroup = tuple[list[dict[str, Any]], bool]
-
-
-class _EventStream(StreamingResponse):
-    """Server-sent events from an iterator of `ChunkGroup`s: each group's `data:` lines in one
-    write, and the group that ends the stream with `data: [DONE]` and the end of the chunked body
-    in that same write. A stream used to end in four writes (last token, usage, [DONE], the
-    empty end of the body), each a loopback TCP segment and a wake-up of the client: 192 of the
-    gateway's 2,200 writes over a W64 run. Disconnects are watched as by StreamingResponse,
-    which this is."""
-
-    media_type = "text/event-stream"
-
-    async def stream_response(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})
-        async for chunks, final in self.body_iterator:
-            data = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks)
-            if final:
-                await send({"type": "http.response.body",
-                            "body": (data + "data: [DONE]\n\n").encode(), "more_body": False})
-                return
-            await send({"type": "http.response.body", "body": data.encode(), "more_body": True})
-        # `_chunks` ends every stream with a final group; an iterator that did not still gets a
-        # well-formed end of stream.
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
-
-
 def _prompt_logprobs(model: ServedModel, ids: list[int], c: _Choice, k: int
                      ) -> list[dict | None]:
     """vLLM's `prompt_logprobs`: None for the first prompt token, then for each one a map from
@@ -639,7 +611,8 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
 
     app.include_router(pages_router(gw.fleet, FleetStatus, error_responses))
     app.include_router(jobs_router(redis_url, prefix,
-                                   {"completions": CompletionRequest, "chat": ChatRequest},
+                                   {"completions": CompletionRequest, "chat": ChatRequest,
+                                    "responses": ResponsesRequest},
                                    APIError, error_responses))
 
     @app.exception_handler(APIError)
@@ -737,7 +710,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
     async def _chunks(prompts: list[Prepared], ps: list[Prepared], base: dict, req: GenerationRequest,
                       choice: Callable[[int, str, TokenEvent], dict],
                       first: Callable[[int], dict] | None = None) -> AsyncIterator[ChunkGroup]:
-        """The stream's chunks, grouped as `_EventStream` writes them: `choice(index, text,
+        """The stream's chunks, grouped as `EventStream` writes them: `choice(index, text,
         event)` shapes each one (completions and chat differ only there), `first(index)` opens
         each choice; a failure becomes an error object and ends the stream; the event that ends
         the last open choice ends it too, with usage over all choices if asked for. `choice`
@@ -816,7 +789,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                 if lp is not None:
                     offsets[i] += sum(map(len, lp["tokens"]))
                 return {"index": i, "text": piece, "logprobs": lp, "finish_reason": _finish(ev)}
-            return _EventStream(_chunks(prompts, ps, base, req, chunk))
+            return EventStream(_chunks(prompts, ps, base, req, chunk))
         done = await _collect(ps)
         if req.echo:  # the prompt first
             for p, c in zip(ps, done):
@@ -869,7 +842,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                 return {"index": i, "delta": delta,
                         "logprobs": logprobs(ev.token_ids, ev.logprobs, ev.top_logprobs),
                         "finish_reason": reason}
-            return _EventStream(_chunks([p], ps, base, req, chunk, first=lambda i: {
+            return EventStream(_chunks([p], ps, base, req, chunk, first=lambda i: {
                 **base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                      "finish_reason": None}]}))
         done = await _collect(ps)
@@ -890,6 +863,20 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         return {**base, "object": "chat.completion",
                 "choices": [choice(i, c) for i, c in enumerate(done)], **prompt_logprobs,
                 "usage": _usage([p], *(c.last for c in done))}
+
+    @app.post("/v1/responses", responses=GENERATION_RESPONSES)
+    async def responses(req: ResponsesRequest, request: Request):
+        """OpenAI's Responses API, served as a chat request (gateway/responses.py)."""
+        try:
+            p = gw.prepare_chat(req.to_chat())
+        except APIError as e:
+            raise renamed(e) from e
+        await admit([p], request.headers.get("authorization"))
+        shape = ResponseShape(req, p.model.name)
+        if req.stream:
+            return TypedEventStream(shape.events(gw.run(p), lambda last: _usage([p], last)))
+        done = (await _collect([p]))[0]
+        return shape.body(done.text, done.last, _usage([p], done.last))
 
     @app.websocket("/v1/stream")
     async def stream(ws: WebSocket):

@@ -36,7 +36,8 @@ def jobs_router(redis_url: str, prefix: str, request_models: dict[str, type[Base
 
     Args:
         redis_url, prefix: the fleet's Redis and key prefix (jobs live beside the fleet's keys).
-        request_models: "completions" and "chat" -> the pydantic model that validates a body.
+        request_models: each endpoint's name (`shoal.jobs.ENDPOINTS`) -> the pydantic model
+            that validates a body.
         error: builds the gateway's OpenAI-style error (message, status=, param=, kind=).
         errors: the OpenAPI `responses` for a list of error statuses.
     """
@@ -63,7 +64,8 @@ def jobs_router(redis_url: str, prefix: str, request_models: dict[str, type[Base
     @router.post("/v1/jobs", status_code=202, response_model=JobStatus,
                  responses=errors(400, 401, 413))
     async def submit(request: Request):
-        """A job: a JSON list or JSONL of completion or chat requests, each with a custom_id."""
+        """A job: a JSON list or JSONL of completion, chat or response requests, each with a
+        custom_id."""
         raw = (await request.body()).decode("utf-8", errors="replace")
         try:
             items = parse_lines(raw)

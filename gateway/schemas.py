@@ -212,7 +212,7 @@ class GenerationRequest(BaseModel):
         "(vLLM's; not with stream)")
 
 
-def _unsupported(allowed: tuple, what: str) -> AfterValidator:
+def unsupported(allowed: tuple, what: str) -> AfterValidator:
     """Refuses any value but `allowed`: OpenAI's parameters that shoal does not serve get a 400
     naming them rather than being ignored."""
     def check(value):
@@ -257,8 +257,8 @@ class CompletionRequest(GenerationRequest):
                                  "tokens at each step (top_logprobs)")
     echo: bool = Field(default=False, description="the prompt before the completion, and with "
                        "logprobs the prompt tokens' logprobs (streamed: in each choice's first chunk)")
-    best_of: Annotated[int | None, _unsupported((None, 1), "best_of above 1")] = None
-    suffix: Annotated[str | None, _unsupported((None,), "suffix")] = None
+    best_of: Annotated[int | None, unsupported((None, 1), "best_of above 1")] = None
+    suffix: Annotated[str | None, unsupported((None,), "suffix")] = None
 
 
 class TextPart(BaseModel):
@@ -266,7 +266,7 @@ class TextPart(BaseModel):
 
     model_config = ConfigDict(strict=True)
 
-    type: Annotated[str, _unsupported(("text",), "content parts other than text")]
+    type: Annotated[str, unsupported(("text",), "content parts other than text")]
     text: str
 
 

@@ -29,10 +29,12 @@ import redis
 
 from shoal.jobs import (
     JOB_PRIORITY,
+    PATHS,
     TASK_GENERATE,
     TASK_RUN_JOB,
     TASK_RUN_JOB_REQUEST,
     JobStore,
+    endpoint_of,
     make_celery,
 )
 
@@ -65,7 +67,7 @@ def call_fleet(endpoint: str, body: dict[str, Any], priority: int) -> dict[str, 
     """POST one request to the gateway and return its JSON response.
 
     Args:
-        endpoint: "completions" or "chat".
+        endpoint: "completions", "chat" or "responses" (`shoal.jobs.ENDPOINTS`).
         body: the OpenAI request body (not streamed).
         priority: the scheduler priority (lower first).
 
@@ -74,7 +76,7 @@ def call_fleet(endpoint: str, body: dict[str, Any], priority: int) -> dict[str, 
         RequestRejected: another 4xx.
     """
     url = os.environ.get("SHOAL_GATEWAY_URL", "http://127.0.0.1:8000").rstrip("/")
-    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    path = PATHS[endpoint]
     key = os.environ.get("SHOAL_API_KEY")
     headers = {"authorization": f"Bearer {key}"} if key else {}
     try:
@@ -97,7 +99,7 @@ def generate(self, request: dict[str, Any], priority: int = JOB_PRIORITY) -> dic
         RequestRejected: the gateway rejected it (4xx).
         FleetUnavailable: still unavailable after MAX_RETRIES retries.
     """
-    endpoint = "chat" if "messages" in request else "completions"
+    endpoint = endpoint_of(request)
     try:
         return call_fleet(endpoint, request, priority)
     except FleetUnavailable as e:

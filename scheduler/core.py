@@ -293,6 +293,10 @@ class Scheduler:
         self._levels = Counter(s.sub.priority for s in keep)
         self._models = Counter(s.sub.model for s in keep)
 
+    def waiting_by_model(self) -> dict[str, int]:
+        """Requests waiting per model, every model that ever had one included (at 0 now)."""
+        return dict(self._models)
+
     def _dequeue(self, i: int) -> RequestState:
         """Take `waiting[i]` out of the queue and its counts."""
         s = self.waiting[i]

@@ -4,7 +4,8 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from shoal.metrics import BATCH_SIZE_BUCKETS, SCHEDULING_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS
 
-REQUESTS_WAITING = Gauge("shoal_requests_waiting", "Requests in the pool not yet on a worker")
+REQUESTS_WAITING = Gauge("shoal_requests_waiting", "Requests in the pool not yet on a worker",
+                         ["model_name"])
 REQUESTS_RUNNING = Gauge("shoal_requests_running", "Requests placed on a worker")
 QUEUE_TIME = Histogram("shoal_request_queue_time_seconds",
                        "Time from arrival at the gateway to admission on a worker",

@@ -248,7 +248,8 @@ class SchedulerServer:
         due = self._send_plans()
         running = sum(len(w.running) for w in self.core.workers.values())
         metrics.REQUESTS_RUNNING.set(running)
-        metrics.REQUESTS_WAITING.set(len(self.core.waiting))
+        for model, n in self.core.waiting_by_model().items():
+            metrics.REQUESTS_WAITING.labels(model).set(n)
         if len(self.core.waiting) != self._published_waiting:
             self._published_waiting = len(self.core.waiting)
             self._outbox.set(self.keys.waiting, self._published_waiting)

@@ -38,7 +38,16 @@ TASK_RUN_JOB_REQUEST = "shoal.run_job_request"
 TASK_GENERATE = "shoal.generate"
 JOB_PRIORITY = 1  # batch requests yield to interactive ones (priority 0) in the scheduler
 TERMINAL = ("completed", "failed", "cancelled")
-ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
+             "/v1/responses": "responses"}
+PATHS = {name: path for path, name in ENDPOINTS.items()}
+
+
+def endpoint_of(request: dict[str, Any]) -> str:
+    """The endpoint a flat-form request is for, by its fields: chat with `messages`, the
+    Responses API with `input`, else completions."""
+    return "chat" if "messages" in request else "responses" if "input" in request \
+        else "completions"
 
 # Records one request's output line and its count, once per custom_id; finishes the job when
 # every request has one. KEYS: job hash, results hash. ARGV: custom_id, line, counter, now.
@@ -84,7 +93,7 @@ def parse_lines(body: str) -> list[dict[str, Any]]:
 
     Each item is either OpenAI's batch form `{"custom_id", "method": "POST", "url":
     "/v1/chat/completions", "body": {...}}` or the flat form `{"custom_id", ...request fields}`
-    (chat when it has `messages`, else a completion). Returns `{"custom_id", "endpoint",
+    (`endpoint_of`). Returns `{"custom_id", "endpoint",
     "body"}` items in input order.
 
     Raises:
@@ -117,7 +126,7 @@ def parse_lines(body: str) -> list[dict[str, Any]]:
             req = item["body"]
         else:
             req = {k: v for k, v in item.items() if k != "custom_id"}
-            endpoint = "chat" if "messages" in req else "completions"
+            endpoint = endpoint_of(req)
         if not isinstance(req, dict):
             raise JobError(f"request {n}: body must be a JSON object")
         if req.get("stream"):

@@ -107,6 +107,10 @@ def test_job_results_equal_the_fleets_greedy_outputs_in_input_order(jobs_fleet, 
     lines[7] = {"custom_id": "chat-07", "method": "POST", "url": "/v1/chat/completions",
                 "body": {"messages": [{"role": "user", "content": prompts[7]}], "max_tokens": 6,
                          "temperature": 0}}
+    lines[11] = {"custom_id": "resp-11", "method": "POST", "url": "/v1/responses",
+                 "body": {"input": prompts[11], "max_output_tokens": 6, "temperature": 0}}
+    lines[12] = {"custom_id": "resp-12", "input": prompts[12], "max_output_tokens": 6,
+                 "temperature": 0}  # the flat form: a response request by its `input`
     job_id = _submit(jobs_fleet, lines)
     job = _wait(jobs_fleet, job_id, _terminal)
     assert job["status"] == "completed" and job["request_counts"]["completed"] == 20
@@ -115,13 +119,18 @@ def test_job_results_equal_the_fleets_greedy_outputs_in_input_order(jobs_fleet, 
     assert [r["custom_id"] for r in results] == [line["custom_id"] for line in lines]
     for line, result in zip(lines, results):
         assert result["error"] is None and result["response"]["status_code"] == 200
-        if "body" in line:  # the same request straight to the fleet, greedy
+        body = line.get("body") or {k: v for k, v in line.items() if k != "custom_id"}
+        if "input" in body:  # the same request straight to the fleet, greedy
+            direct = httpx.post(f"{jobs_fleet['url']}/v1/responses", json=body, timeout=60).json()
+            ours = result["response"]["body"]
+            assert ours["object"] == "response" and ours["output"] == [
+                {**direct["output"][0], "id": ours["output"][0]["id"]}]
+        elif "body" in line:
             direct = httpx.post(f"{jobs_fleet['url']}/v1/chat/completions", json=line["body"],
                                 timeout=60).json()
             ours = result["response"]["body"]["choices"][0]["message"]["content"]
             assert ours == direct["choices"][0]["message"]["content"]
         else:
-            body = {k: v for k, v in line.items() if k != "custom_id"}
             direct = httpx.post(f"{jobs_fleet['url']}/v1/completions", json=body, timeout=60).json()
             assert result["response"]["body"]["choices"][0]["text"] == direct["choices"][0]["text"]
             assert result["response"]["body"]["usage"]["completion_tokens"] == 6
@@ -133,7 +142,9 @@ def test_bad_jobs_are_refused_with_a_clear_error(jobs_fleet):
                          ('{"custom_id": "a", "prompt": "x"}\n{"custom_id": "a", "prompt": "y"}',
                           "repeated"),
                          ('[{"prompt": "x"}]', "custom_id"),
-                         ('[{"custom_id": "a", "prompt": "x", "max_tokens": -1}]', "max_tokens")]:
+                         ('[{"custom_id": "a", "prompt": "x", "max_tokens": -1}]', "max_tokens"),
+                         ('[{"custom_id": "a", "input": "x", "previous_response_id": "r"}]',
+                          "previous_response_id")]:
         r = httpx.post(url, content=body, timeout=30)
         assert r.status_code == 400, body
         assert needle in r.json()["error"]["message"]

@@ -125,6 +125,7 @@ def test_models_queue_apart_a_full_model_holds_back_only_its_own_requests():
     assert {r: s.worker_id for r, s in sched.requests.items()} == {
         "a1": "wa", "a2": None, "c1": None, "b1": "wb", "a3": None, "b2": "wb"}
     assert [s.sub.request_id for s in sched.waiting] == ["a2", "c1", "a3"]
+    assert sched.waiting_by_model() == {"a": 2, "c": 1, "b": 0}  # shoal_requests_waiting
     sched.update_worker(WorkerInfo("wc", "c", 10, 10, BLOCK, 8, 256))
     assert [s.sub.request_id for s in sched.place()] == ["c1"]
     assert sched.requests["c1"].worker_id == "wc"

@@ -1,0 +1,114 @@
+"""OpenAI's Responses API (`/v1/responses`, gateway/responses.py) through the shared fleet, with
+the official `openai` client: replies against the in-process engine's greedy tokens for the chat
+the request becomes, streamed events in the API's order, structured replies, and refusals."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def _chat_ids(tokenizer, messages) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def client(fleet):
+    from openai import OpenAI
+
+    return OpenAI(base_url=fleet["url"] + "/v1", api_key="none")
+
+
+def test_a_response_is_the_chat_reply_to_its_instructions_and_input(client, oracle, tokenizer):
+    messages = [{"role": "system", "content": "You answer in one word."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    ids = _chat_ids(tokenizer, messages)
+    expected = oracle(ids, 12)
+    r = client.responses.create(model=MODEL, instructions=messages[0]["content"],
+                                input=messages[1]["content"], max_output_tokens=12, temperature=0,
+                                metadata={"run": "test"})
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
+    assert r.output_text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert r.usage.input_tokens == len(ids) and r.usage.output_tokens == len(expected)
+    assert r.usage.total_tokens == len(ids) + len(expected)
+    assert r.metadata == {"run": "test"} and r.instructions == messages[0]["content"]
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.id.startswith("msg_")
+    if len(expected) == 12:  # cut by max_output_tokens
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert r.status == "completed" and r.incomplete_details is None
+
+    # A conversation as input items (content as parts or text), cut by max_output_tokens.
+    turns = [{"role": "user", "content": [{"type": "input_text", "text": "Name a fruit."}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Apple."}]},
+             {"role": "user", "content": "Another one."}]
+    ids = _chat_ids(tokenizer, [{"role": t["role"], "content": t["content"] if isinstance(
+        t["content"], str) else t["content"][0]["text"]} for t in turns])
+    expected = oracle(ids, 3, ignore_eos=True)
+    r = client.responses.create(model=MODEL, input=turns, max_output_tokens=3, temperature=0)
+    assert r.output_text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert r.status == "incomplete" and r.output[0].status == "incomplete"
+
+
+def test_a_streamed_response_sends_the_apis_events_in_order(client, oracle, tokenizer):
+    question = "Name three colors."
+    expected = tokenizer.decode(oracle(_chat_ids(tokenizer, [{"role": "user",
+                                                              "content": question}]), 16),
+                                skip_special_tokens=True)
+    events = list(client.responses.create(model=MODEL, input=question, max_output_tokens=16,
+                                          temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", *["response.output_text.delta"] * len(deltas),
+                     "response.output_text.done", "response.content_part.done",
+                     "response.output_item.done", kinds[-1]]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    assert "".join(d.delta for d in deltas) == expected
+    assert events[-4].text == expected and events[-1].response.output_text == expected
+    assert events[-1].response.usage.output_tokens > 0
+    assert len({d.item_id for d in deltas} | {events[-2].item.id}) == 1
+
+
+def test_text_format_makes_a_reply_of_the_schema(client):
+    """`text.format` json_schema through the SDK's `responses.parse` (a pydantic model)."""
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    r = client.responses.parse(model=MODEL, input="Name a big city and its country.",
+                               text_format=City, max_output_tokens=60, temperature=0)
+    assert r.status == "completed" and isinstance(r.output_parsed, City)
+    assert json.loads(r.output_text) == r.output_parsed.model_dump()
+    r = client.responses.create(model=MODEL, input="Give a person's name and age as JSON.",
+                                temperature=0, max_output_tokens=60,
+                                text={"format": {"type": "json_object"}})
+    assert r.status == "completed" and isinstance(json.loads(r.output_text), dict)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"background": True}, "background"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
+    ({"input": []}, "input"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
+     "text.format"),
+    ({"model": "gpt-9"}, "model"),
+])
+def test_bad_response_requests_get_a_4xx_that_names_the_parameter(fleet, extra, param):
+    r = httpx.post(fleet["url"] + "/v1/responses", json={"input": "Hi", **extra}, timeout=30)
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"].startswith(param), r.json()
