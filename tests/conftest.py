@@ -47,6 +47,19 @@ def hf_model(model_path):
     return m.eval()
 
 
+def finished_requests(log_path) -> dict[str, dict]:
+    """The scheduler's log line per finished request (scheduler/server.py `_log_finished`) in a
+    log file, by request id."""
+    import json
+
+    out = {}
+    for line in log_path.read_text().splitlines():
+        if '"event": "request_finished"' in line:
+            entry = json.loads(line[line.index("{"):])
+            out[entry["request_id"]] = entry
+    return out
+
+
 @contextlib.contextmanager
 def running_fleet(worker_args: tuple[str, ...] = (), scheduler_log=None,
                   gateway_args: tuple[str, ...] = ()):

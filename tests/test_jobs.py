@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from shoal.fleet import shoal_command, stop_all
-from tests.conftest import running_fleet
+from tests.conftest import finished_requests, running_fleet
 
 VISIBILITY_TIMEOUT_S = 4  # a dead Celery worker's tasks come back this soon (production: 300)
 
@@ -194,15 +194,6 @@ def test_job_survives_a_killed_celery_worker_without_duplicates(jobs_fleet):
     assert all(r["response"]["body"]["usage"]["completion_tokens"] == 12 for r in results)
 
 
-def _finished(log_path) -> dict[str, dict]:
-    out = {}
-    for line in log_path.read_text().splitlines():
-        if '"event": "request_finished"' in line:
-            entry = json.loads(line[line.index("{"):])
-            out[entry["request_id"]] = entry
-    return out
-
-
 @pytest.mark.parametrize("celery_worker", [8], indirect=True)
 def test_interactive_requests_go_before_queued_job_requests(jobs_fleet, celery_worker):
     lines = [{"custom_id": f"p{i}", "prompt": p, "max_tokens": 10 + (7 * i) % 17,
@@ -218,7 +209,7 @@ def test_interactive_requests_go_before_queued_job_requests(jobs_fleet, celery_w
     interactive = r.json()["id"]
     _wait(jobs_fleet, job_id, _terminal)
     time.sleep(0.5)  # the scheduler's last log lines
-    log = _finished(jobs_fleet["scheduler_log"])
+    log = finished_requests(jobs_fleet["scheduler_log"])
     me = log[interactive]
     assert me["priority"] == 0
     admitted = me["arrival_time"] + me["queue_time_s"]

@@ -6,13 +6,13 @@ file name): real processes, the real model, routing told apart by the workers' n
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import pytest
 
 from shoal.fleet import free_port, start_fleet
 from shoal.model_files import default_model_path
+from tests.conftest import finished_requests
 
 OTHER = "Other-Model"
 
@@ -34,16 +34,6 @@ def two_model_fleet(tmp_path_factory):
             yield fleet, log_path
         finally:
             fleet.stop()
-
-
-def _finished(log_path) -> dict[str, dict]:
-    """The scheduler's line per finished request, by request id."""
-    out = {}
-    for line in log_path.read_text().splitlines():
-        if '"event": "request_finished"' in line:
-            entry = json.loads(line[line.index("{"):])
-            out[entry["request_id"]] = entry
-    return out
 
 
 def test_each_request_runs_on_a_worker_of_the_model_it_names(two_model_fleet, oracle, tokenizer):
@@ -74,7 +64,7 @@ def test_each_request_runs_on_a_worker_of_the_model_it_names(two_model_fleet, or
     replies = asyncio.run(all_of_them())
     log = {}
     for _ in range(50):  # the scheduler logs a request as it finishes: give it a moment
-        log = _finished(log_path)
+        log = finished_requests(log_path)
         if all(r["id"] in log for r in replies):
             break
         asyncio.run(asyncio.sleep(0.1))
