@@ -63,6 +63,11 @@ def test_playground_streams_the_greedy_reply(fleet, page):
         "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
         "temperature": 0}).json()["choices"][0]["message"]["content"]
     page.goto(fleet["url"] + "/")
+    # The model control lists the fleet's models (/v1/models), the first chosen.
+    names = [m["id"] for m in httpx.get(fleet["url"] + "/v1/models", timeout=10).json()["data"]]
+    model = page.get_by_label("Model")
+    sync_api.expect(model.locator("option")).to_have_text(names)
+    sync_api.expect(model).to_have_value(names[0])
     # Keyboard only: labels name the fields, Ctrl+Enter sends.
     page.get_by_label("Message").fill(prompt)
     page.get_by_label("Max tokens").fill(str(max_tokens))
