@@ -872,7 +872,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         except APIError as e:
             raise renamed(e) from e
         await admit([p], request.headers.get("authorization"))
-        shape = ResponseShape(req, p.model.name)
+        shape = ResponseShape(req, p.model.name, p.tools)
         if req.stream:
             return TypedEventStream(shape.events(gw.run(p), lambda last: _usage([p], last)))
         done = (await _collect([p]))[0]

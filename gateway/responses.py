@@ -1,11 +1,14 @@
 """OpenAI's Responses API (`POST /v1/responses`) on top of chat: a request's `instructions` and
-`input` become a chat request's messages and its `text.format` a structured output; the reply
-becomes a response object with one assistant message, or, streamed, the API's typed events
-(`response.created` ... `response.output_text.delta` ... `response.completed`), as vLLM serves
-the API for models without tools or reasoning.
+`input` become a chat request's messages (earlier function calls and their outputs included),
+its `text.format` a structured output and its function `tools` the chat API's; the reply
+becomes a response object with an assistant message or function calls, or, streamed, the
+API's typed events (`response.created` ... `response.output_text.delta` ...
+`response.completed`).
 
-Stateless: nothing is stored, so `previous_response_id` is refused (send the conversation in
-`input`), and so are `tools` and `background`, which shoal does not serve.
+Function calls are made as chat makes them (gateway/tools.py): `tool_choice` naming a function
+or "required" constrains the reply; "auto" is refused, shoal having no parser to tell a call
+from an answer. Stateless: nothing is stored, so `previous_response_id` is refused (send the
+conversation in `input`), and so is `background`.
 """
 
 from __future__ import annotations
@@ -17,17 +20,24 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from gateway.schemas import (
     INT32_MAX,
     APIError,
     ChatMessage,
     ChatRequest,
+    FunctionCall,
+    FunctionDefinition,
     JSONSchemaFormat,
+    NamedFunction,
+    NamedToolChoice,
     ResponseFormat,
+    Tool,
+    ToolCall,
     unsupported,
 )
+from gateway.tools import ToolCalls
 from shoal.messages import TokenEvent
 
 
@@ -50,6 +60,50 @@ class InputMessage(BaseModel):
         text = self.content if isinstance(self.content, str) else \
             "\n".join(p.text for p in self.content)
         return ChatMessage(role=self.role, content=text)
+
+
+class FunctionCallItem(BaseModel):
+    """A function call the model made in an earlier turn."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str = Field(description="the arguments, as JSON text")
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(BaseModel):
+    """What a function call returned, for the model to read."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+# An input item, told by its `type` (a message may leave it out).
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(lambda v: (v.get("type", "message") if isinstance(v, dict)
+                             else getattr(v, "type", None)),
+                  custom_error_type="input_item",
+                  custom_error_message="input items are messages, function_call or "
+                                       "function_call_output"),
+]
+
+
+class FunctionTool(FunctionDefinition):
+    """A function the model may call (the Responses API's flat form of chat's tools)."""
+
+    type: Literal["function"]
+
+
+class FunctionChoice(BaseModel):
+    type: Literal["function"]
+    name: str
 
 
 class TextFormat(BaseModel):
@@ -89,7 +143,13 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(strict=True)
 
     model: str | None = None
-    input: str | Annotated[list[InputMessage], Field(min_length=1)]
+    input: Annotated[
+        Annotated[str, Tag("text")]
+        | Annotated[list[InputItem], Field(min_length=1), Tag("items")],
+        Discriminator(lambda v: "text" if isinstance(v, str) else "items" if isinstance(v, list)
+                      else None, custom_error_type="input_form",
+                      custom_error_message="input must be a string or a list of items"),
+    ]
     instructions: str | None = Field(default=None, description="a system message before the "
                                      "input")
     max_output_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
@@ -104,10 +164,12 @@ class ResponsesRequest(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     top_k: int = Field(default=-1, ge=-1, le=INT32_MAX)
     priority: int = Field(default=0, ge=-100, le=100)
+    tools: list[FunctionTool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool = True
     previous_response_id: Annotated[
         str | None, unsupported((None,), "previous_response_id (responses are not stored: "
                                 "send the conversation in input)")] = None
-    tools: Annotated[list[Any] | None, unsupported((None, []), "tools")] = None
     background: Annotated[bool | None, unsupported((None, False), "background")] = None
 
     def to_chat(self) -> ChatRequest:
@@ -117,13 +179,39 @@ class ResponsesRequest(BaseModel):
         if isinstance(self.input, str):
             messages.append(ChatMessage(role="user", content=self.input))
         else:
-            messages += [m.for_chat() for m in self.input]
+            messages += _chat_messages(self.input)
         fmt = self.text.format if self.text else None
-        return ChatRequest(model=self.model, messages=messages,
-                           max_completion_tokens=self.max_output_tokens,
-                           temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                           seed=self.seed, priority=self.priority, stream=self.stream,
-                           response_format=fmt.response_format() if fmt else None)
+        choice = self.tool_choice
+        return ChatRequest(
+            model=self.model, messages=messages, max_completion_tokens=self.max_output_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            priority=self.priority, stream=self.stream,
+            response_format=fmt.response_format() if fmt else None,
+            tools=[Tool(type="function", function=FunctionDefinition(**t.model_dump(
+                exclude={"type"}))) for t in self.tools] if self.tools else None,
+            tool_choice=NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+            if isinstance(choice, FunctionChoice) else choice,
+            parallel_tool_calls=self.parallel_tool_calls)
+
+
+def _chat_messages(items: list[InputMessage | FunctionCallItem | FunctionCallOutputItem]
+                   ) -> list[ChatMessage]:
+    """Input items as chat messages: consecutive function calls become one assistant message
+    with those `tool_calls`, each call's output a `tool` message."""
+    out: list[ChatMessage] = []
+    for item in items:
+        if isinstance(item, InputMessage):
+            out.append(item.for_chat())
+        elif isinstance(item, FunctionCallOutputItem):
+            out.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
+        else:
+            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name,
+                                                                  arguments=item.arguments))
+            if out and out[-1].role == "assistant" and out[-1].tool_calls and not out[-1].content:
+                out[-1] = out[-1].model_copy(update={"tool_calls": [*out[-1].tool_calls, call]})
+            else:
+                out.append(ChatMessage(role="assistant", tool_calls=[call]))
+    return out
 
 
 # A chat request's parameters that a refusal may name, by their Responses API names.
@@ -143,10 +231,11 @@ class ResponseShape:
     Args:
         req: the request.
         model: the name the reply is from.
+        tools: how its text becomes function calls (None: it is a message).
     """
 
-    def __init__(self, req: ResponsesRequest, model: str) -> None:
-        self.req, self.model = req, model
+    def __init__(self, req: ResponsesRequest, model: str, tools: ToolCalls | None) -> None:
+        self.req, self.model, self.tools = req, model, tools
         self.id = f"resp_{uuid.uuid4().hex}"
         self.item_id = f"msg_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
@@ -165,14 +254,17 @@ class ResponseShape:
                 status, incomplete = "incomplete", {"reason": "max_output_tokens"}
             else:
                 status = "completed"
-        output = [self.message(text, status)] if last is not None and status != "failed" else []
+        output = self.output(text, status) if last is not None and status != "failed" else []
         req = self.req
         return {
             "id": self.id, "object": "response", "created_at": self.created_at,
             "status": status, "model": self.model, "output": output, "error": error,
             "incomplete_details": incomplete, "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens, "temperature": req.temperature,
-            "top_p": req.top_p, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+            "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
+            "tool_choice": (req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel)
+                            else req.tool_choice or ("auto" if req.tools else "none")),
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
             "text": {"format": (req.text.format if req.text else TextFormat(type="text")).echo()},
             "metadata": req.metadata or {}, "user": req.user,
             "usage": None if usage is None else {
@@ -182,6 +274,16 @@ class ResponseShape:
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": usage["total_tokens"]},
         }
+
+    def output(self, text: str, status: str) -> list[dict[str, Any]]:
+        """The output items of a finished reply: its function calls (each an item), or the
+        assistant's message (also when the calls' text was cut short)."""
+        calls, content = self.tools.message(0, text) if self.tools else (None, text)
+        if not calls:
+            return [self.message(content or "", status)]
+        return [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex}",
+                 "call_id": c["id"], "name": c["function"]["name"],
+                 "arguments": c["function"]["arguments"], "status": "completed"} for c in calls]
 
     def message(self, text: str, status: str) -> dict[str, Any]:
         """The output's one item: the assistant's message."""
@@ -198,41 +300,76 @@ class ResponseShape:
                      ) -> AsyncIterator[tuple[list[dict[str, Any]], bool]]:
         """The stream's events, grouped by token as `gateway.sse.EventStream` writes them,
         from `gateway.app.Gateway.run`'s (text, event) pairs; `usage(last_event)` counts the
-        tokens. In order: created, in_progress, the message and its text part added, a delta
-        per piece of text, the text, part and message done, then completed (or incomplete);
-        a failure ends the stream with `response.failed`."""
+        tokens. In order: created and in_progress; then the message's events as its text
+        comes (item and part added, a delta per piece, text, part and item done), or, when
+        the reply is function calls, each call's events once the reply is complete (item
+        added, its arguments, item done: a "required" reply is no call until its array
+        closes); then completed (or incomplete). A failure ends the stream with
+        `response.failed`."""
         seq = itertools.count()
 
         def event(kind: str, **fields: Any) -> dict[str, Any]:
             return {"type": kind, "sequence_number": next(seq), **fields}
 
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        def opened(index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
+            """An item's opening events: it, in progress, and a message's empty text part."""
+            out = [event("response.output_item.added", output_index=index,
+                         item={**item, "status": "in_progress"} | (
+                             {"content": []} if item["type"] == "message" else
+                             {"arguments": ""}))]
+            if item["type"] == "message":
+                out.append(event("response.content_part.added", item_id=item["id"],
+                                 output_index=index, content_index=0, part=self.part("")))
+            return out
+
+        def closed(index: int, item: dict[str, Any], delta: str | None) -> list[dict[str, Any]]:
+            """A finished item's last events: its text or arguments (with their last `delta`,
+            if any) and the item done."""
+            where = {"item_id": item["id"], "output_index": index}
+            out = []
+            if item["type"] == "message":
+                text = item["content"][0]["text"]
+                if delta:
+                    out.append(event("response.output_text.delta", **where, content_index=0,
+                                     delta=delta, logprobs=[]))
+                out += [event("response.output_text.done", **where, content_index=0, text=text,
+                              logprobs=[]),
+                        event("response.content_part.done", **where, content_index=0,
+                              part=item["content"][0])]
+            else:
+                out += [event("response.function_call_arguments.delta", **where,
+                              delta=item["arguments"]),
+                        event("response.function_call_arguments.done", **where,
+                              name=item["name"], arguments=item["arguments"])]
+            return [*out, event("response.output_item.done", output_index=index, item=item)]
+
         opening = self.body("", None, None)
-        yield [event("response.created", response=opening),
-               event("response.in_progress", response=opening),
-               event("response.output_item.added", output_index=0,
-                     item=self.message("", "in_progress")),
-               event("response.content_part.added", **where, part=self.part(""))], False
+        group = [event("response.created", response=opening),
+                 event("response.in_progress", response=opening)]
+        if self.tools is None:  # the message streams as it comes
+            group += opened(0, self.message("", "in_progress"))
         text = ""
         async with contextlib.aclosing(run) as stream:  # leaving early cancels the request
             async for piece, ev in stream:
-                group = []
-                if piece:
-                    text += piece
-                    group.append(event("response.output_text.delta", **where, delta=piece,
-                                       logprobs=[]))
+                text += piece
                 if ev.finish_reason == "error":
                     yield [*group, event("response.failed",
                                          response=self.body(text, ev, None))], True
                     return
                 if ev.finish_reason is not None:
                     done = self.body(text, ev, usage(ev))
-                    yield [*group,
-                           event("response.output_text.done", **where, text=text, logprobs=[]),
-                           event("response.content_part.done", **where, part=self.part(text)),
-                           event("response.output_item.done", output_index=0,
-                                 item=done["output"][0]),
-                           event(f"response.{done['status']}", response=done)], True
+                    if self.tools is None:
+                        group += closed(0, done["output"][0], piece)
+                    else:
+                        for k, item in enumerate(done["output"]):
+                            group += [*opened(k, item), *closed(k, item, item.get("content") and
+                                                                item["content"][0]["text"])]
+                    yield [*group, event(f"response.{done['status']}", response=done)], True
                     return
+                if piece and self.tools is None:
+                    group.append(event("response.output_text.delta", item_id=self.item_id,
+                                       output_index=0, content_index=0, delta=piece,
+                                       logprobs=[]))
                 if group:
                     yield group, False
+                    group = []

@@ -368,7 +368,7 @@ class NamedToolChoice(BaseModel):
 # value was checked against into an error's location, after the field; the error handler leaves
 # it out.
 UNION_TAGS = {"prompt": ("text", "token_ids", "texts", "token_id_lists"),
-              "content": ("text", "parts")}
+              "content": ("text", "parts"), "input": ("text", "items")}
 
 
 class ChatRequest(GenerationRequest):

@@ -96,11 +96,72 @@ def test_text_format_makes_a_reply_of_the_schema(client):
     assert r.status == "completed" and isinstance(json.loads(r.output_text), dict)
 
 
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"], "additionalProperties": False}}
+
+
+def test_function_calls_are_made_as_chat_makes_them(fleet, client):
+    """A named `tool_choice` or "required" makes the reply function calls, the same arguments
+    chat's tool calls give (the same constraint); streamed, each call's events come once the
+    reply is complete, and the completed response equals the unstreamed one."""
+    question = "What is the weather like in Paris?"
+    chat = httpx.post(fleet["url"] + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": question}], "temperature": 0,
+        "max_tokens": 40, "tools": [{"type": "function", "function": {
+            k: v for k, v in WEATHER.items() if k != "type"}}],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}).json()
+    (chat_call,) = chat["choices"][0]["message"]["tool_calls"]
+    r = client.responses.create(model=MODEL, input=question, tools=[WEATHER], temperature=0,
+                                max_output_tokens=40,
+                                tool_choice={"type": "function", "name": "get_weather"})
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.arguments == chat_call["function"]["arguments"]
+    assert isinstance(json.loads(call.arguments)["city"], str) and r.status == "completed"
+    assert r.tool_choice.name == "get_weather" and r.tools[0].name == "get_weather"
+
+    body = {"input": question, "tools": [WEATHER], "tool_choice": "required", "temperature": 0,
+            "max_output_tokens": 60, "parallel_tool_calls": False}
+    whole = httpx.post(fleet["url"] + "/v1/responses", json=body, timeout=60).json()
+    events = list(client.responses.create(model=MODEL, stream=True, **body))
+    assert [e.type for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    done = events[-1].response.model_dump()
+    assert [(o["type"], o["name"], o["arguments"]) for o in done["output"]] == \
+        [(o["type"], o["name"], o["arguments"]) for o in whole["output"]]
+    assert events[3].delta == events[4].arguments == whole["output"][0]["arguments"]
+    assert events[2].item.id == events[5].item.id == events[3].item_id
+
+    # The call and its output sent back as input items: the prompt chat would build.
+    follow_up = [{"role": "user", "content": question},
+                 {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                  "arguments": call.arguments},
+                 {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}]
+    r = client.responses.create(model=MODEL, input=follow_up, max_output_tokens=8, temperature=0)
+    chat = httpx.post(fleet["url"] + "/v1/chat/completions", timeout=60, json={
+        "max_tokens": 8, "temperature": 0, "messages": [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": call.call_id, "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny"}]}).json()
+    assert r.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    assert r.output_text == chat["choices"][0]["message"]["content"]
+
+
 @pytest.mark.parametrize("extra, param", [
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [WEATHER]}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
     ({"background": True}, "background"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
+    ({"input": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+     "input"),
+    ({"input": 5}, "input"),
     ({"input": []}, "input"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
