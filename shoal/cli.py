@@ -292,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     bsch.add_argument("--output", default="bench-results/scheduler.json")
     bs = bsub.add_parser("serve", help="a workload through a running gateway (OpenAI API, streaming)")
     bs.add_argument("--url", default="http://127.0.0.1:8000")
+    bs.add_argument("--model", default=None,
+                    help="the model to ask for (default: none named: the server's default)")
     bs.add_argument("--workload", default="w64",
                     help="w64, orca (prompts 32-512, outputs 1-128 tokens), or a JSONL file of "
                          '{"prompt", "max_tokens"} lines')
@@ -808,10 +810,11 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
             raise CLIError(f"--compare: no file {c}")
     warmup = make_requests(W64_QUICK, args.vocab_size, args.seed + 1, "warm")
     runs = run_client(run_sweep(args.url, reqs, args.arrival, rates, concurrencies, args.seed,
-                                warmup=warmup, salted=args.cache_salt))
+                                model=args.model, warmup=warmup, salted=args.cache_salt))
     if all(r["errors"] == r["requests"] for r in runs):
         raise CLIError(f"every request failed; first error: {runs[0]['first_error']}")
-    figures = {"workload": name, "url": args.url, "label": args.label, "seed": args.seed,
+    figures = {"workload": name, "url": args.url, "model": args.model, "label": args.label,
+               "seed": args.seed,
                "shared_prefix_tokens": args.shared_prefix,
                "sampling": {"temperature": temperature, "top_p": top_p},
                "arrival": args.arrival, "runs": runs}

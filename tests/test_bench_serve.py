@@ -161,3 +161,17 @@ def test_a_shared_prefix_goes_in_front_of_every_prompt():
     assert with_shared_prefix(reqs, 0, 1000, seed=3) == reqs
     with pytest.raises(ValueError, match="text prompts"):
         with_shared_prefix([BenchRequest("t", [], 4, prompt_text="hello")], 8, 1000, seed=0)
+
+
+def test_the_command_asks_for_the_model_it_is_given(synthetic_url, tmp_path):
+    """`shoal bench serve --model NAME` names the model in every request (a fleet may serve
+    several); without it, none is named."""
+    from shoal.cli import main
+
+    for model in ("smol", None):
+        BODIES.clear()
+        args = ["bench", "serve", "--quick", "--url", synthetic_url,
+                "--output", str(tmp_path / "serve.json")] + (["--model", model] if model else [])
+        assert main(args) == 0
+        assert BODIES and all(b.get("model") == model for b in BODIES)
+        assert json.loads((tmp_path / "serve.json").read_text())["model"] == model
