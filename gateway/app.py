@@ -167,6 +167,7 @@ class Gateway(RequestPreparation):
         self._listener: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self.max_overflow_windows = 8  # GatewaySettings.max_overflow_windows, set by create_app
+        self.tool_call_parser: str | None = None  # GatewaySettings.tool_call_parser, likewise
         self.subscribed = False  # the token channel is live: requests may be enqueued
 
     async def start(self) -> None:
@@ -505,6 +506,8 @@ class GatewaySettings:
         max_waiting: new requests get 429 while the scheduler's pool holds this many.
         max_body_bytes: larger request bodies get 400 (by their Content-Length).
         retry_after_s: the Retry-After header of a 429, in seconds.
+        tool_call_parser: reads the replies of tool_choice "auto" (`gateway.tools`); None
+            refuses "auto", as vLLM does without --enable-auto-tool-choice.
         max_overflow_windows: a request with `context_overflow` generates at most this many
             context windows of tokens.
         requests_per_minute, tokens_per_minute: per API key (or per gateway without keys) and
@@ -514,6 +517,7 @@ class GatewaySettings:
 
     api_keys: tuple[str, ...] = ()
     max_overflow_windows: int = 8
+    tool_call_parser: str | None = None
     public_paths: tuple[str, ...] = PUBLIC_PATHS
     max_waiting: int = 1024
     max_body_bytes: int = 4 << 20
@@ -598,6 +602,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
     settings = settings or GatewaySettings()
     gw = Gateway(redis_url, models, prefix)
     gw.max_overflow_windows = settings.max_overflow_windows
+    gw.tool_call_parser = settings.tool_call_parser
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):

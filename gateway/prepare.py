@@ -3,7 +3,8 @@ the text (stop strings, special tokens, tool calls), checked so that a bad reque
 naming its parameter before anything is queued.
 
 `RequestPreparation` is a part of `gateway.app.Gateway`, which gives it the models it serves
-(`catalog`: each one's tokenizer, names and context window) and `max_overflow_windows`.
+(`catalog`: each one's tokenizer, names and context window), `max_overflow_windows` and
+`tool_call_parser`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class RequestPreparation:
 
     catalog: ModelCatalog
     max_overflow_windows: int
+    tool_call_parser: str | None  # reads tool_choice "auto" replies (None: "auto" is refused)
 
     def _params(self, req: GenerationRequest, model: ServedModel, max_tokens: int | None,
                 prompt_len: int, logprobs: bool, top_logprobs: int = 0,
@@ -150,7 +152,7 @@ class RequestPreparation:
                 sampling parameters refuse.
         """
         model = self.catalog.get(req.model)
-        tools = ToolCalls.of(req)
+        tools = ToolCalls.of(req, self.tool_call_parser)
         ids = _truncate(model.chat_ids(
             req.messages, req.add_generation_prompt, req.continue_final_message,
             req.chat_template_kwargs,

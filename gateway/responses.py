@@ -6,8 +6,7 @@ API's typed events (`response.created` ... `response.output_text.delta` ...
 `response.completed`).
 
 Function calls are made as chat makes them (gateway/tools.py): `tool_choice` naming a function
-or "required" constrains the reply; "auto" is refused, shoal having no parser to tell a call
-from an answer. Stateless: nothing is stored, so `previous_response_id` is refused (send the
+or "required" constrains the reply; "auto" needs the gateway's tool-call parser. Stateless: nothing is stored, so `previous_response_id` is refused (send the
 conversation in `input`), and so is `background`.
 """
 
@@ -276,14 +275,16 @@ class ResponseShape:
         }
 
     def output(self, text: str, status: str) -> list[dict[str, Any]]:
-        """The output items of a finished reply: its function calls (each an item), or the
-        assistant's message (also when the calls' text was cut short)."""
+        """The output items of a finished reply: its function calls (each an item, after the
+        message the model wrote before them, if any), or the assistant's message (also when
+        the calls' text was cut short)."""
         calls, content = self.tools.message(0, text) if self.tools else (None, text)
         if not calls:
             return [self.message(content or "", status)]
-        return [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex}",
-                 "call_id": c["id"], "name": c["function"]["name"],
-                 "arguments": c["function"]["arguments"], "status": "completed"} for c in calls]
+        return ([self.message(content, status)] if content else []) + [
+            {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": c["id"],
+             "name": c["function"]["name"], "arguments": c["function"]["arguments"],
+             "status": "completed"} for c in calls]
 
     def message(self, text: str, status: str) -> dict[str, Any]:
         """The output's one item: the assistant's message."""

@@ -1,17 +1,23 @@
-"""Tool calls of the chat API, made by structured outputs rather than parsed from free text.
+"""Tool calls of the chat API: made by structured outputs where the request forces a call, read
+from free text where the model chooses.
 
 With `tool_choice` naming a function, the reply is constrained to a JSON object matching that
 function's `parameters` schema and becomes one call's `arguments`; with `"required"`, it is
 constrained to a JSON array of `{"name", "parameters"}` objects, one of the tools each (one at
 most without `parallel_tool_calls`), and becomes the calls in order (finish_reason
-"tool_calls"). Both are how vLLM serves these two choices without a model-specific tool-call
-parser; so does shoal, which has no parser, and so refuses `"auto"` (as vLLM does without one):
-a model left free to answer or call would need one to tell which it did.
+"tool_calls"). Both are how vLLM serves these two choices, with no model-specific parser.
+
+With `"auto"` (the default with tools) the model may answer or call, and a tool-call parser
+tells which it did, as vLLM's `--enable-auto-tool-choice --tool-call-parser`: `hermes` reads
+calls written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes, Qwen and
+others; a JSON list inside one block, SmolLM2's form, is read too). Without a parser the
+gateway refuses "auto", as vLLM does: nothing could tell a call from an answer.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +26,46 @@ from gateway.schemas import APIError, ChatRequest
 from shoal.structured_output import InvalidStructuredOutput, StructuredOutput
 
 ANY_OBJECT = {"type": "object"}  # a function declared without parameters takes any object
+TOOL_CALL_PARSERS = ("hermes",)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+# Each block's body: up to its closing tag, or to the end of a reply cut short.
+_BLOCK = re.compile(re.escape(_OPEN) + r"(.*?)(?:" + re.escape(_CLOSE) + r"|\Z)", re.S)
+
+
+def parse_hermes(text: str) -> tuple[list[tuple[str, str]] | None, str | None]:
+    """A reply in the Hermes tool-call format, as (calls, content): each call a (name,
+    arguments as JSON text) pair, in order; the content is the text before the first
+    `<tool_call>` (None when blank). A block holds a JSON object with `name` and `arguments`
+    (or `parameters`), or a list of them. A reply without blocks, or with one that does not
+    parse, is all content: (None, text)."""
+    start = text.find(_OPEN)
+    if start < 0:
+        return None, text
+    calls = []
+    for block in _BLOCK.finditer(text, start):
+        try:
+            body = json.loads(block.group(1))
+        except ValueError:
+            return None, text
+        for call in body if isinstance(body, list) else [body]:
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                return None, text
+            args = call.get("arguments", call.get("parameters", {}))
+            calls.append((call["name"], args if isinstance(args, str)
+                          else json.dumps(args, ensure_ascii=False)))
+    if not calls:
+        return None, text
+    content = text[:start]
+    return calls, content if content.strip() else None
+
+
+def _held_back(text: str) -> int:
+    """How many characters at the end of `text` could begin `<tool_call>`: a stream holds them
+    back until the next piece tells."""
+    for n in range(min(len(text), len(_OPEN) - 1), 0, -1):
+        if _OPEN.startswith(text[-n:]):
+            return n
+    return 0
 
 
 @dataclass
@@ -28,26 +74,30 @@ class ToolCalls:
     each choice's text becomes `tool_calls` (None when the request calls no tool).
 
     Attributes:
-        mode: "named" (one given function) or "required" (one or more of the tools).
+        mode: "named" (one given function), "required" (one or more of the tools) or "auto"
+            (the model's choice, read by `parser`).
         name: the function, when named.
-        constraint: what every choice's text must match.
+        constraint: what every choice's text must match (None with "auto").
+        parser: the tool-call parser of "auto" (`TOOL_CALL_PARSERS`).
     """
 
     mode: str
     name: str | None
-    constraint: StructuredOutput
+    constraint: StructuredOutput | None
+    parser: str | None = None
     _ids: dict[int, str] = field(default_factory=dict)  # choice -> its named call's id
+    _sent: dict[int, int] = field(default_factory=dict)  # choice -> characters of content sent
 
     @classmethod
-    def of(cls, req: ChatRequest) -> ToolCalls | None:
+    def of(cls, req: ChatRequest, parser: str | None = None) -> ToolCalls | None:
         """The request's tool calls, or None when its reply is text (no tools, or
-        `tool_choice` "none").
+        `tool_choice` "none"); `parser` reads "auto" replies (None: "auto" is refused).
 
         Raises:
             APIError: `tool_choice` "auto" (or tools without a tool_choice, whose default it
-                is), a named function that is not among the tools, a choice without tools,
-                tools with `response_format` or `structured_outputs`, or a `parameters` schema
-                that does not compile.
+                is) without a parser, a named function that is not among the tools, a choice
+                without tools, tools with `response_format` or `structured_outputs`, or a
+                `parameters` schema that does not compile.
         """
         choice, tools = req.tool_choice, req.tools or []
         if choice is None:
@@ -56,14 +106,17 @@ class ToolCalls:
             return None
         if not tools:
             raise APIError("tool_choice needs tools", param="tool_choice")
-        if choice == "auto":
-            raise APIError('tool_choice "auto" needs a tool-call parser, which shoal does not '
-                           'have; use "required" or name a function (tool calls are then '
-                           'structured outputs)', param="tool_choice")
+        if choice == "auto" and parser is None:
+            raise APIError('tool_choice "auto" (the default with tools) needs a tool-call '
+                           'parser: start the gateway with --enable-auto-tool-choice '
+                           '--tool-call-parser hermes, or use "required" or name a function '
+                           '(tool calls are then structured outputs)', param="tool_choice")
         if req.structured_outputs is not None or (req.response_format is not None
                                                   and req.response_format.type != "text"):
             raise APIError("tool calls cannot be combined with response_format or "
                            "structured_outputs", param="tool_choice")
+        if choice == "auto":
+            return cls("auto", None, None, parser)
         schemas = {t.function.name: t.function.parameters or ANY_OBJECT for t in tools}
         if choice == "required":
             item = {"anyOf": [{"type": "object", "additionalProperties": False,
@@ -91,10 +144,17 @@ class ToolCalls:
         return self._ids.setdefault(choice, f"call_{uuid.uuid4().hex[:24]}")
 
     def message(self, choice: int, text: str) -> tuple[list[dict[str, Any]] | None, str | None]:
-        """A finished choice's `tool_calls` and its `content`: the calls, or (None, text) when
-        the text is not a complete call (cut short by max_tokens)."""
+        """A finished choice's `tool_calls` and its `content`: the calls (with "auto", and the
+        text before them), or (None, text) when the text is no call (an answer, or a call cut
+        short by max_tokens)."""
         if self.mode == "named":
             return [self._call(self.call_id(choice), self.name, text)], None
+        if self.mode == "auto":
+            calls, content = parse_hermes(text)
+            if calls is None:
+                return None, text
+            return [self._call(f"call_{uuid.uuid4().hex[:24]}", name, args)
+                    for name, args in calls], content
         try:
             calls = json.loads(text)
         except ValueError:
@@ -103,9 +163,9 @@ class ToolCalls:
                            json.dumps(c["parameters"], ensure_ascii=False)) for c in calls], None
 
     def finish_reason(self, reason: str | None, calls: list | None) -> str | None:
-        """OpenAI's: "tool_calls" when the model chose to call ("required"); a named call that
-        was forced ends with "stop"."""
-        return "tool_calls" if self.mode == "required" and calls and reason == "stop" else reason
+        """OpenAI's: "tool_calls" when the model chose to call ("required", "auto"); a named
+        call that was forced ends with "stop"."""
+        return "tool_calls" if self.mode != "named" and calls and reason == "stop" else reason
 
     @staticmethod
     def _call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
@@ -117,7 +177,11 @@ class ToolCalls:
         """A stream chunk's `delta` for new text `piece` of a choice (`text_so_far` includes
         it): a named call's arguments stream as they come (its id and name with the first
         piece); "required" calls are sent whole when the choice finishes, the array's text
-        being no call until it closes. None when there is nothing to send yet."""
+        being no call until it closes; with "auto", the text streams as content until a
+        `<tool_call>` begins (what could begin one is held back), and the calls are sent whole
+        when the choice finishes. None when there is nothing to send yet."""
+        if self.mode == "auto":
+            return self._auto_delta(choice, text_so_far, finished)
         if self.mode == "named":
             if not piece:
                 return None
@@ -131,3 +195,21 @@ class ToolCalls:
         if calls is None:
             return {"content": content}
         return {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
+
+    def _auto_delta(self, choice: int, text: str, finished: bool) -> dict[str, Any] | None:
+        sent = self._sent.get(choice, 0)
+        if finished:
+            calls, content = self.message(choice, text)
+            if calls is None:
+                return {"content": text[sent:]} if len(text) > sent else None
+            out: dict[str, Any] = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
+            before = text[:text.find(_OPEN)]
+            if len(before) > sent and content is not None:
+                out["content"] = before[sent:]
+            return out
+        start = text.find(_OPEN)
+        cut = start if start >= 0 else len(text) - _held_back(text)
+        if cut <= sent or not text[:cut].strip():  # blank text before a call is no content
+            return None
+        self._sent[choice] = cut
+        return {"content": text[sent:cut]}

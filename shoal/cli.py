@@ -95,6 +95,26 @@ def _add_served_model_name_arg(p: argparse.ArgumentParser) -> None:
                         "gateway and the workers must be given the same first name")
 
 
+def _add_tool_call_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto" (the default with tools), reading calls from '
+                        "the reply with --tool-call-parser, as vLLM's")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="hermes: <tool_call>{...}</tool_call> blocks (Hermes, Qwen; a JSON list "
+                        "in a block, SmolLM2's form, too)")
+
+
+def _tool_call_parser(args: argparse.Namespace) -> str | None:
+    """The gateway's tool-call parser, None when "auto" is not served.
+
+    Raises:
+        CLIError: one of the two flags without the other (vLLM's rule).
+    """
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise CLIError("--enable-auto-tool-choice and --tool-call-parser go together")
+    return args.tool_call_parser
+
+
 def _add_chat_template_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="the Jinja chat template to use instead of the model's, as vLLM's: a "
@@ -114,6 +134,7 @@ POLICIES = ["reserve", "ondemand", "request-level"]  # scheduler/core.py POLICIE
 ATTENTION_BACKENDS = ["auto", "torch", "triton"]  # worker/config.py ATTENTION_BACKENDS
 QUANTIZATIONS = ["none", "int8", "int4", "w8a8"]  # worker/config.py QUANTIZATIONS
 DTYPE_CHOICES = ["auto", "bfloat16", "float32"]  # worker/config.py DTYPE_CHOICES
+TOOL_CALL_PARSERS = ["hermes"]  # gateway/tools.py TOOL_CALL_PARSERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "default of requests that name none; default: SmolLM2)")
     _add_served_model_name_arg(gw)
     _add_chat_template_arg(gw)
+    _add_tool_call_args(gw)
     gw.add_argument("--prefix", default="shoal", help="Redis key prefix")
     gw.add_argument("--api-key", action="append", default=[],
                     help="accepted API key (repeatable; also SHOAL_API_KEYS, comma-separated)")
@@ -223,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "model, one gateway for all (default: SmolLM2)")
     _add_served_model_name_arg(u)
     _add_chat_template_arg(u)
+    _add_tool_call_args(u)
     u.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="every worker's dtype (auto: chosen by each worker for its machine)")
     u.add_argument("--kv-cache-bytes", type=_positive_int, default=None)
@@ -622,7 +645,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
                                max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
                                requests_per_minute=args.requests_per_minute,
                                tokens_per_minute=args.tokens_per_minute,
-                               max_overflow_windows=args.max_overflow_windows)
+                               max_overflow_windows=args.max_overflow_windows,
+                               tool_call_parser=_tool_call_parser(args))
     app = create_app(args.redis_url, models, args.prefix, settings)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
@@ -681,6 +705,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         gateway_args += ["--served-model-name", *args.served_model_name]
     if args.chat_template is not None:
         gateway_args += ["--chat-template", args.chat_template]
+    if _tool_call_parser(args):
+        gateway_args += ["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser]
     for flag, value in (("--kv-cache-bytes", args.kv_cache_bytes),
                         ("--max-model-len", args.max_model_len), ("--threads", args.threads),
                         ("--speculative-config", args.speculative_config)):

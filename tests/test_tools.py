@@ -1,6 +1,7 @@
 """Tool calls through a real fleet: a named function or `tool_choice: "required"` make the reply
 calls whose arguments match the tools' schemas (structured outputs), streamed or not, in the
-shapes OpenAI's client parses; "auto" and misuse get 400s that name the parameter."""
+shapes OpenAI's client parses; "auto" is read from the reply by the hermes parser where the
+gateway serves it (a 400 where not); misuse gets 400s that name the parameter."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import json
 import httpx
 import jsonschema
 import pytest
+
+from gateway.tools import ToolCalls, parse_hermes
+from tests.conftest import extra_gateway
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
            "properties": {"city": {"type": "string", "maxLength": 30},
@@ -148,3 +152,112 @@ def test_the_openai_sdk_parses_pydantic_replies_and_tool_calls(fleet):
         temperature=0)
     (call,) = reply.choices[0].message.tool_calls
     assert isinstance(call.function.parsed_arguments, GetWeather)
+
+
+@pytest.mark.parametrize(("text", "calls", "content"), [
+    ('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>', [("f", '{"a": 1}')], None),
+    ('Let me look.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n'
+     '<tool_call>{"name": "g", "arguments": "{\\"b\\": 2}"}</tool_call>',
+     [("f", "{}"), ("g", '{"b": 2}')], "Let me look.\n"),
+    # SmolLM2's form: a list of calls in one block, `parameters` for `arguments`.
+    ('<tool_call>[{"name": "f", "arguments": {"x": "é"}}, {"name": "g", "parameters": {}}]'
+     '</tool_call>', [("f", '{"x": "é"}'), ("g", "{}")], None),
+    ('<tool_call>{"name": "f", "arguments": {}}', [("f", "{}")], None),  # cut after its JSON
+    ("Paris is sunny.", None, "Paris is sunny."),
+    ('<tool_call>{"name": "f", "argum', None, '<tool_call>{"name": "f", "argum'),
+    ('<tool_call>{"arguments": {}}</tool_call>', None, '<tool_call>{"arguments": {}}</tool_call>'),
+    ("<tool_call></tool_call>", None, "<tool_call></tool_call>"),
+])
+def test_hermes_replies_are_calls_or_content(text, calls, content):
+    assert parse_hermes(text) == (calls, content)
+
+
+def test_auto_streams_the_answer_and_sends_the_calls_whole():
+    """Streamed "auto": content as it comes until a `<tool_call>` begins (a piece that could
+    begin one is held back), the calls whole at the end; joined, the same as unstreamed."""
+    from gateway.schemas import ChatRequest
+
+    req = ChatRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS)
+    for text in ['Checking <tool_c', 'Sure.\n<tool_call>{"name": "get_time", "arguments": '
+                 '{"timezone": "UTC"}}</tool_call>', "Plain <tool", "a < b and <tool_call"]:
+        tools = ToolCalls.of(req, "hermes")
+        deltas = []
+        for end in range(1, len(text) + 1):  # a piece per character
+            d = tools.delta(0, text[end - 1], text[:end], finished=end == len(text))
+            if d:
+                deltas.append(d)
+            sent = "".join(x.get("content", "") for x in deltas)
+            assert end == len(text) or "<tool" not in sent  # held back until the end tells
+        calls, content = tools.message(0, text)
+        streamed = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert "".join(d.get("content", "") for d in deltas) == (content or "")
+        assert [c["function"] for c in streamed] == [c["function"] for c in calls or []]
+
+
+# A conversation that makes the real model call a tool in the hermes form, from two examples.
+FEW_SHOT = [
+    {"role": "system", "content": 'You call functions. To call one, reply with <tool_call>'
+                                  '{"name": ..., "arguments": {...}}</tool_call>.'},
+    *[m for city in ("Rome", "Berlin") for m in (
+        {"role": "user", "content": f"What is the weather like in {city}?"},
+        {"role": "assistant", "content": '<tool_call>{"name": "get_weather", "arguments": '
+                                         f'{{"city": "{city}"}}}}</tool_call>'})],
+]
+
+
+@pytest.fixture(scope="module")
+def auto_gateway(fleet):
+    """A gateway on the shared fleet that serves tool_choice "auto" with the hermes parser."""
+    with extra_gateway(fleet, "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as url:
+        yield url
+
+
+def test_auto_reads_the_calls_the_model_chose_to_make(fleet, auto_gateway):
+    """With the parser, "auto" (the default with tools) gives the model's own reply: a call
+    when it wrote one (finish_reason "tool_calls", no content), streamed or not, through
+    chat and the Responses API; its answer when it did not, the same reply chat gives
+    without tools (SmolLM2's template shows no tools)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=auto_gateway + "/v1", api_key="none")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    asked = [*FEW_SHOT, {"role": "user", "content": "What is the weather like in Paris?"}]
+    reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=asked,
+                                           tools=tools, max_tokens=40, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == \
+        {"city": "Paris"}
+    chunks = list(client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=asked, tools=tools, max_tokens=40,
+        temperature=0, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    (streamed,) = [t for d in deltas for t in d.tool_calls or []]
+    assert streamed.function.arguments == call.function.arguments
+    assert not "".join(d.content or "" for d in deltas)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    response = client.responses.create(
+        model="SmolLM2-135M-Instruct", input=asked[1:], instructions=asked[0]["content"],
+        tools=[{"type": "function", **tools[0]["function"]}], max_output_tokens=40,
+        temperature=0)
+    (item,) = response.output
+    assert item.type == "function_call" and json.loads(item.arguments) == {"city": "Paris"}
+
+    plain = [{"role": "user", "content": "Name three colors."}]
+    answer = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=plain,
+                                            tools=tools, max_tokens=16, temperature=0)
+    without = httpx.post(fleet["url"] + "/v1/chat/completions", timeout=60, json={
+        "messages": plain, "max_tokens": 16, "temperature": 0}).json()["choices"][0]
+    assert answer.choices[0].message.tool_calls is None
+    assert answer.choices[0].message.content == without["message"]["content"]
+    assert answer.choices[0].finish_reason == without["finish_reason"]
+
+
+def test_the_cli_lists_the_parsers_the_gateway_has():
+    from gateway import tools
+    from shoal import cli
+
+    assert cli.TOOL_CALL_PARSERS == list(tools.TOOL_CALL_PARSERS)
