@@ -40,6 +40,7 @@ from gateway.prepare import Prepared, RequestPreparation
 from gateway.responses import ResponseShape, ResponsesRequest, renamed
 from gateway.schemas import (
     GENERATION_RESPONSES,
+    RESPONSES_RESPONSES,
     APIError,
     ChatRequest,
     CompletionRequest,
@@ -869,13 +870,15 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                 "choices": [choice(i, c) for i, c in enumerate(done)], **prompt_logprobs,
                 "usage": _usage([p], *(c.last for c in done))}
 
-    @app.post("/v1/responses", responses=GENERATION_RESPONSES)
+    @app.post("/v1/responses", responses=RESPONSES_RESPONSES)
     async def responses(req: ResponsesRequest, request: Request):
         """OpenAI's Responses API, served as a chat request (gateway/responses.py)."""
         try:
             p = gw.prepare_chat(req.to_chat())
         except APIError as e:
             raise renamed(e) from e
+        except ValidationError as e:  # the chat request it amounts to, refused
+            raise renamed(invalid_request(e.errors())) from e
         await admit([p], request.headers.get("authorization"))
         shape = ResponseShape(req, p.model.name, p.tools)
         if req.stream:

@@ -43,6 +43,8 @@ from shoal.messages import TokenEvent
 class InputText(BaseModel):
     """A text part of an input message (an earlier assistant turn's is `output_text`)."""
 
+    model_config = ConfigDict(strict=True)
+
     type: Literal["input_text", "output_text"]
     text: str
 
@@ -50,6 +52,8 @@ class InputText(BaseModel):
 class InputMessage(BaseModel):
     """One message of `input` (other item types, such as function calls or images, are not
     served)."""
+
+    model_config = ConfigDict(strict=True)
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
@@ -64,6 +68,8 @@ class InputMessage(BaseModel):
 class FunctionCallItem(BaseModel):
     """A function call the model made in an earlier turn."""
 
+    model_config = ConfigDict(strict=True)
+
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -74,6 +80,8 @@ class FunctionCallItem(BaseModel):
 
 class FunctionCallOutputItem(BaseModel):
     """What a function call returned, for the model to read."""
+
+    model_config = ConfigDict(strict=True)
 
     type: Literal["function_call_output"]
     call_id: str
@@ -101,12 +109,16 @@ class FunctionTool(FunctionDefinition):
 
 
 class FunctionChoice(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["function"]
     name: str
 
 
 class TextFormat(BaseModel):
     """`text.format`: plain text, any JSON object, or JSON matching `schema`."""
+
+    model_config = ConfigDict(strict=True)
 
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
@@ -132,6 +144,8 @@ class TextFormat(BaseModel):
 
 
 class TextConfig(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     format: TextFormat = TextFormat(type="text")
 
 

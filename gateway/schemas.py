@@ -63,6 +63,14 @@ GENERATION_RESPONSES = {
           "content": {"text/event-stream": {"schema": {"type": "string"}}}},
     **error_responses(400, 401, 404, 429, 503),
 }
+# The Responses API streams named events (`event:` and `data:` lines), each one checked so.
+RESPONSES_RESPONSES = {
+    **GENERATION_RESPONSES,
+    200: {"description": "a response object, or with `stream: true` the API's typed events",
+          "content": {"text/event-stream": {"schema": {
+              "type": "object", "required": ["event", "data"],
+              "properties": {"event": {"type": "string"}, "data": {"type": "string"}}}}}},
+}
 
 
 class StreamOptions(BaseModel):

@@ -8,7 +8,8 @@ interactive traffic share one fleet and one scheduler.
   OpenAI-style response. For your own Celery code: `generate.delay({...}).get()`.
 - `run_job(job_id)`: queues one `run_job_request` per request of a stored job.
 - `run_job_request(job_id, index)`: runs one request of a job and records its output line, at
-  most once per `custom_id` (shoal/jobs.py). A request the fleet could not serve (it is
+  most once per `custom_id` (shoal/jobs.py); a worker that starts queues again the unfinished
+  requests of every queued or running job (`requeue_unfinished`). A request the fleet could not serve (it is
   unreachable, overloaded, or a worker died under the request more often than the scheduler's
   migration limit) is retried with backoff; a request the gateway rejects (4xx) is recorded as
   failed. Requests start only while the job is not cancelled.
@@ -26,6 +27,7 @@ from typing import Any
 
 import httpx
 import redis
+from celery.signals import worker_ready
 
 from shoal.jobs import (
     JOB_PRIORITY,
@@ -115,6 +117,17 @@ def run_job(job_id: str) -> int:
     for index in range(n):
         run_job_request.apply_async((job_id, index))
     return n
+
+
+@worker_ready.connect
+def requeue_unfinished(**_: Any) -> None:
+    """Queue again, as this worker starts, every request of a queued or running job that has no
+    result: one whose task a killed worker took along would otherwise never run (shoal/jobs.py).
+    Copies of requests whose tasks are still queued, or restored after the visibility timeout,
+    find the result recorded and return at once."""
+    for job_id, missing in _store().unfinished().items():
+        for index in missing:
+            run_job_request.apply_async((job_id, index))
 
 
 @app.task(name=TASK_RUN_JOB_REQUEST, bind=True, max_retries=MAX_RETRIES)

@@ -18,7 +18,10 @@ if none did, and `cancelled` stays `cancelled`.
 Celery uses the same Redis with its own key prefix (`{prefix}:celery:`): tasks acknowledge late
 (after they ran), and a task whose worker died is delivered again once the broker's visibility
 timeout has passed (`SHOAL_JOBS_VISIBILITY_TIMEOUT`, seconds, default 300), found by a sweep every
-quarter of that timeout.
+quarter of that timeout. A task can still be lost: kombu pops a message from the queue before it
+records it as unacknowledged, and a worker killed between the two takes it along. So a Celery
+worker that starts queues again every unfinished request of the queued and running jobs
+(`JobStore.unfinished`); a copy whose request has its result by then returns at once.
 """
 
 from __future__ import annotations
@@ -200,6 +203,19 @@ class JobStore:
         if not self.r.exists(self.keys.job(job_id)):
             return None
         return self._cancel(keys=[self.keys.job(job_id)], args=[time.time()]).decode()
+
+    def unfinished(self) -> dict[str, list[int]]:
+        """Every queued or running job's requests without a result yet (indexes), by job."""
+        out = {}
+        for raw in self.r.zrange(self.keys.jobs, 0, -1):
+            job_id = raw.decode()
+            if self.r.hget(self.keys.job(job_id), "status") not in (b"queued", b"running"):
+                continue
+            items = self.r.lrange(self.keys.job_requests(job_id), 0, -1)
+            ids = [json.loads(i)["custom_id"] for i in items]
+            found = self.r.hmget(self.keys.job_results(job_id), ids) if ids else []
+            out[job_id] = [k for k, f in enumerate(found) if f is None]
+        return out
 
     def results(self, job_id: str) -> list[str]:
         """The output lines recorded so far, in input order (JSON strings)."""

@@ -194,6 +194,40 @@ def test_job_survives_a_killed_celery_worker_without_duplicates(jobs_fleet):
     assert all(r["response"]["body"]["usage"]["completion_tokens"] == 12 for r in results)
 
 
+def test_a_starting_worker_runs_the_requests_whose_tasks_were_lost(jobs_fleet):
+    """A task a killed worker took along (kombu pops a message before it records it as
+    unacknowledged) is run by the next worker that starts: it queues again every request of a
+    queued or running job without a result. Here the broker's queue is emptied while no
+    Celery worker runs, losing the tasks of a running job and the whole of a queued one."""
+    import redis as redis_lib
+
+    r = redis_lib.Redis.from_url(jobs_fleet["redis"])
+    broker = [b"shoal:celery:celery", b"shoal:celery:unacked", b"shoal:celery:unacked_index"]
+    running = [{"custom_id": f"l{i}", "prompt": p, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True} for i, p in enumerate(_prompts(12))]
+    worker = CeleryWorker(jobs_fleet)
+    worker.start()
+    try:
+        first = _submit(jobs_fleet, running)
+        _wait(jobs_fleet, first, lambda j: j["request_counts"]["completed"] >= 2)
+    finally:
+        worker.stop()  # a warm shutdown: what it had reserved goes back to the queue
+    queued = _submit(jobs_fleet, running[:3])  # no worker: its run_job task waits
+    assert r.exists(broker[0]) and r.delete(*broker)  # every queued task lost
+    assert _status(jobs_fleet, first)["request_counts"]["completed"] < 12
+    assert _status(jobs_fleet, queued)["status"] == "queued"
+    worker.start()
+    try:
+        for job_id, lines in ((first, running), (queued, running[:3])):
+            job = _wait(jobs_fleet, job_id, _terminal, timeout_s=120)
+            assert job["status"] == "completed"
+            assert job["request_counts"]["completed"] == len(lines)
+            assert [x["custom_id"] for x in _results(jobs_fleet, job_id)] == \
+                [line["custom_id"] for line in lines]
+    finally:
+        worker.stop()
+
+
 @pytest.mark.parametrize("celery_worker", [8], indirect=True)
 def test_interactive_requests_go_before_queued_job_requests(jobs_fleet, celery_worker):
     lines = [{"custom_id": f"p{i}", "prompt": p, "max_tokens": 10 + (7 * i) % 17,

@@ -124,6 +124,24 @@ def test_inverse_transform_never_picks_a_zero_weight():
     assert _inverse_transform(weights, u).tolist() == [2, 4, 3]
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_a_top_p_too_small_for_float32_keeps_the_most_likely_token(kernels, top_k):
+    """The API takes any top_p > 0; one below float32's smallest positive value rounds to 0,
+    which once dropped every candidate, and the worker died on the index past the last (found
+    by schemathesis through /v1/responses). The nucleus always holds the most likely token."""
+    logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(1)) * 3
+    params = SamplingParams(temperature=1.0, top_p=5e-324, top_k=top_k, seed=0)
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    tokens, _, _ = Sampler(kernels)(logits.clone(), [params] * 4, gens)
+    assert list(tokens) == logits.argmax(-1).tolist()
+
+
+def test_inverse_transform_keeps_a_row_without_weight_in_range():
+    weights = torch.tensor([[float("nan")] * 4, [0.0] * 4])
+    assert _inverse_transform(weights, torch.tensor([0.5, 0.5])).tolist() == [3, 3]
+
+
 def test_greedy_rows_and_logprobs():
     logits = torch.randn(3, 50)
     params = [SamplingParams(temperature=0.0, logprobs=True), SamplingParams(temperature=1.0, seed=1),

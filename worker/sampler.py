@@ -155,10 +155,11 @@ def _inverse_transform(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     probability weights[i] / total. `[rows]` int64.
 
     Never an index of zero weight: the target is at least the smallest positive float, and at
-    most the total (where u * total rounds up to it, the last index of positive weight)."""
+    most the total (where u * total rounds up to it, the last index of positive weight). A row
+    that breaks the precondition (NaN weights) still gets an index in range, its last."""
     cdf = weights.cumsum(dim=-1)
     target = (u * cdf[:, -1]).clamp_(min=torch.finfo(cdf.dtype).tiny).unsqueeze(1)
-    return torch.searchsorted(cdf, target).squeeze(1)
+    return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=weights.shape[1] - 1)
 
 
 # Candidates a top-p row starts from (its top-k when larger); widened 8-fold while its nucleus
@@ -236,6 +237,9 @@ def _top_k_top_p_within(values: torch.Tensor, index: torch.Tensor, vocab: int,
     # distribution (1).
     mass = torch.where(top_k <= c, values.sum(dim=-1, keepdim=True), 1.0)
     drop = (values.cumsum(dim=-1) - values) / mass >= top_p  # the mass ranked above reaches top_p
+    # The most likely token always stays: a top_p below float32's smallest positive value (the
+    # API takes any top_p > 0) rounds to 0 here and would drop it too.
+    drop[:, 0] = False
     done = (top_k <= c).squeeze(1) | drop[:, -1] | (c == vocab)
     choice = _inverse_transform(values.masked_fill(drop, 0.0), u)
     return done, index.gather(1, choice.unsqueeze(1)).squeeze(1)
