@@ -53,14 +53,6 @@ def test_bad_arguments_fail_clearly(tmp_path):
         (["up", "--speculative-config", '{"method": "eagle"}'], "ngram"),
         (["bench", "fleet", "--rounds", "0"], "positive integer"),
         (["bench", "fleet", "--model", str(tmp_path / "missing.gguf")], "does not exist"),
-        (["gateway", "--redis-url", "redis://127.0.0.1:1/0", "--chat-template",
-          str(tmp_path / "missing.jinja")], "cannot read the chat template"),
-        (["up", "--chat-template", "{% for m in messages %}"], "does not compile"),
-        (["up", "--model", str(tmp_path / "missing.gguf")], "does not exist"),
-        (["gateway", "--redis-url", "redis://127.0.0.1:1/0", "--model", "default", "--model",
-          "default"], "two models are named"),
-        (["up", "--model", "default", "--model", "default", "--served-model-name", "x"],
-         "apply to one --model"),
     ]:
         r = _shoal(*args)
         assert r.returncode != 0
@@ -104,6 +96,28 @@ def test_bench_engine_quick_writes_its_json(tmp_path):
     import torch  # CUDA graphs serve decode on a GPU only (worker/cuda_graphs.py)
 
     assert bool(figures["cuda_graph_batch_sizes"]) == torch.cuda.is_available()
+
+
+def test_bad_model_flags_fail_before_anything_starts(tmp_path, capsys):
+    """The gateway's and `up`'s model flags are checked before any process starts (so in this
+    process: nothing is started)."""
+    from shoal.cli import main
+
+    for args, needle in [
+        (["gateway", "--redis-url", "redis://127.0.0.1:1/0", "--chat-template",
+          str(tmp_path / "missing.jinja")], "cannot read the chat template"),
+        (["up", "--chat-template", "{% for m in messages %}"], "does not compile"),
+        (["up", "--model", str(tmp_path / "missing.gguf")], "does not exist"),
+        (["gateway", "--redis-url", "redis://127.0.0.1:1/0", "--model", "default", "--model",
+          "default"], "two models are named"),
+        (["up", "--model", "default", "--model", "default", "--served-model-name", "x"],
+         "apply to one --model"),
+        (["up", "--enable-auto-tool-choice"], "go together"),
+        (["gateway", "--redis-url", "redis://127.0.0.1:1/0", "--tool-call-parser", "hermes"],
+         "go together"),
+    ]:
+        assert main(args) == 2, args
+        assert needle in capsys.readouterr().err, args
 
 
 def test_up_hands_the_engine_flags_to_its_workers(monkeypatch):
