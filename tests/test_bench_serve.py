@@ -80,14 +80,18 @@ def test_per_request_statistics_match_the_servers_timings(synthetic_url):
                                    warmup=_reqs([1]), progress=False))
     assert run["errors"] == 0 and run["generated_tokens"] == sum(lengths)
     for t, n in zip(run["per_request"], lengths):
-        assert TTFT_S <= t["ttft_s"] <= TTFT_S + SLACK_S
+        # Never shorter than the server's waits; longer only by the host's noise, which the
+        # suite's busy process once stretched to 0.27 s (a flake), so the upper bounds are
+        # loose and the exact relation between the three is checked instead.
+        assert TTFT_S <= t["ttft_s"] <= TTFT_S + 3 * SLACK_S
         assert len(t["itl_s"]) == n - 1
-        assert all(ITL_S - 0.01 <= x <= ITL_S + SLACK_S for x in t["itl_s"])
+        assert all(ITL_S - 0.01 <= x <= ITL_S + 3 * SLACK_S for x in t["itl_s"])
+        assert t["e2e_s"] == pytest.approx(t["ttft_s"] + sum(t["itl_s"]), abs=1e-3)
         expected = TTFT_S + ITL_S * (n - 1)
-        assert expected - 0.01 <= t["e2e_s"] <= expected + 2 * SLACK_S
+        assert expected - 0.01 <= t["e2e_s"] <= expected + 4 * SLACK_S
         assert t["normalized_latency_s"] == pytest.approx(t["e2e_s"] / n)
     # All at once: the run lasts as long as its longest request.
-    assert run["seconds"] == pytest.approx(TTFT_S + ITL_S * 4, abs=2 * SLACK_S)
+    assert TTFT_S + ITL_S * 4 - 0.01 <= run["seconds"] <= TTFT_S + ITL_S * 4 + 4 * SLACK_S
     assert run["generated_tokens_per_s"] == pytest.approx(sum(lengths) / run["seconds"])
     assert run["ttft_s"]["p50"] >= TTFT_S
 
