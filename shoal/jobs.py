@@ -8,6 +8,9 @@ fleet's key prefix (`Keys.job*`):
   `completed`, `failed`, `cancelled` (requests that will never run) and Unix timestamps
   `created_at`, `started_at`, `finished_at`, `cancelled_at`;
 - `job:{id}:requests` list: the input lines (JSON), in input order;
+- `jobs` sorted set: every job id, scored by its creation time; `jobs:open` set: the ids of
+  the queued and running jobs (a job leaves it in the same script that makes it finished or
+  cancelled), so a starting Celery worker reads only those;
 - `job:{id}:results` hash: `custom_id` -> output line (JSON). Written once per `custom_id`
   (HSETNX) together with its count, in one Lua script, so a task run twice (a redelivery after a
   Celery worker died) neither duplicates a result nor counts it twice.
@@ -53,7 +56,8 @@ def endpoint_of(request: dict[str, Any]) -> str:
         else "completions"
 
 # Records one request's output line and its count, once per custom_id; finishes the job when
-# every request has one. KEYS: job hash, results hash. ARGV: custom_id, line, counter, now.
+# every request has one. KEYS: job hash, results hash, open-jobs set. ARGV: custom_id, line,
+# counter, now, job id.
 _RECORD = """
 if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
@@ -64,6 +68,7 @@ if done >= tonumber(h[1]) then
     redis.call('HSET', KEYS[1], 'status', tonumber(h[2]) > 0 and 'completed' or 'failed')
   end
   redis.call('HSET', KEYS[1], 'finished_at', ARGV[4])
+  redis.call('SREM', KEYS[3], ARGV[5])
 end
 return 1
 """
@@ -76,11 +81,13 @@ end
 return redis.call('HGET', KEYS[1], 'status')
 """
 
-# queued/running -> cancelled. KEYS: job hash. ARGV: now. Returns the status after.
+# queued/running -> cancelled. KEYS: job hash, open-jobs set. ARGV: now, job id. Returns the
+# status after.
 _CANCEL = """
 local s = redis.call('HGET', KEYS[1], 'status')
 if s == 'queued' or s == 'running' then
   redis.call('HSET', KEYS[1], 'status', 'cancelled', 'cancelled_at', ARGV[1])
+  redis.call('SREM', KEYS[2], ARGV[2])
   s = 'cancelled'
 end
 return s
@@ -163,6 +170,7 @@ class JobStore:
             "status": "queued", "total": len(items), "completed": 0, "failed": 0,
             "cancelled": 0, "created_at": time.time()})
         pipe.zadd(self.keys.jobs, {job_id: time.time()})
+        pipe.sadd(self.keys.jobs_open, job_id)
         pipe.execute()
         return job_id
 
@@ -194,28 +202,36 @@ class JobStore:
     def record(self, job_id: str, custom_id: str, line: dict[str, Any], counter: str) -> bool:
         """Store one request's output line and count it under `counter` (completed, failed or
         cancelled), once per custom_id. Returns False when it was recorded already."""
-        return bool(self._record(keys=[self.keys.job(job_id), self.keys.job_results(job_id)],
-                                 args=[custom_id, json.dumps(line), counter, time.time()]))
+        keys = [self.keys.job(job_id), self.keys.job_results(job_id), self.keys.jobs_open]
+        return bool(self._record(keys=keys, args=[custom_id, json.dumps(line), counter,
+                                                  time.time(), job_id]))
 
     def cancel(self, job_id: str) -> str | None:
         """Cancel a queued or running job; requests not yet started will not run. Returns the
         status after (a finished job keeps its own), or None if unknown."""
         if not self.r.exists(self.keys.job(job_id)):
             return None
-        return self._cancel(keys=[self.keys.job(job_id)], args=[time.time()]).decode()
+        return self._cancel(keys=[self.keys.job(job_id), self.keys.jobs_open],
+                            args=[time.time(), job_id]).decode()
 
     def unfinished(self) -> dict[str, list[int]]:
-        """Every queued or running job's requests without a result yet (indexes), by job."""
-        out = {}
-        for raw in self.r.zrange(self.keys.jobs, 0, -1):
-            job_id = raw.decode()
-            if self.r.hget(self.keys.job(job_id), "status") not in (b"queued", b"running"):
-                continue
-            items = self.r.lrange(self.keys.job_requests(job_id), 0, -1)
-            ids = [json.loads(i)["custom_id"] for i in items]
-            found = self.r.hmget(self.keys.job_results(job_id), ids) if ids else []
-            out[job_id] = [k for k, f in enumerate(found) if f is None]
-        return out
+        """Every queued or running job's requests without a result yet (indexes), by job.
+
+        Reads only the open jobs (`jobs:open`), in two pipelined round trips whatever their
+        number: the jobs' input lines, then which of their custom_ids have a result.
+        """
+        job_ids = sorted(m.decode() for m in self.r.smembers(self.keys.jobs_open))
+        if not job_ids:
+            return {}
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.lrange(self.keys.job_requests(job_id), 0, -1)
+        ids = [[json.loads(i)["custom_id"] for i in items] for items in pipe.execute()]
+        for job_id, cids in zip(job_ids, ids):
+            pipe.hmget(self.keys.job_results(job_id), cids or ["-"])
+        found = pipe.execute()
+        return {job_id: [k for k, f in enumerate(got[:len(cids)]) if f is None]
+                for job_id, cids, got in zip(job_ids, ids, found)}
 
     def results(self, job_id: str) -> list[str]:
         """The output lines recorded so far, in input order (JSON strings)."""

@@ -25,7 +25,8 @@ class Keys:
             it to refuse work beyond their bound with 429).
         lease: the active scheduler's id, with a TTL (SET NX PX, renewed by its holder).
         progress(id): list of a request's generated token ids, for a scheduler taking over.
-        jobs, job(id), job_requests(id), job_results(id): batch jobs (shoal/jobs.py).
+        jobs, jobs_open, job(id), job_requests(id), job_results(id): batch jobs
+            (shoal/jobs.py).
     """
 
     prefix: str = "shoal"
@@ -82,6 +83,10 @@ class Keys:
     @property
     def jobs(self) -> str:
         return f"{self.prefix}:jobs"
+
+    @property
+    def jobs_open(self) -> str:
+        return f"{self.prefix}:jobs:open"
 
     def job(self, job_id: str) -> str:
         return f"{self.prefix}:job:{job_id}"

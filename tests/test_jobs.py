@@ -228,6 +228,30 @@ def test_a_starting_worker_runs_the_requests_whose_tasks_were_lost(jobs_fleet):
         worker.stop()
 
 
+def test_unfinished_reads_only_open_jobs_and_their_missing_requests(jobs_fleet):
+    """`JobStore.unfinished` (what a starting Celery worker queues again) names the queued and
+    running jobs only, each with the indexes of its requests that have no result; a job leaves
+    the open set when it finishes or is cancelled."""
+    import redis as redis_lib
+
+    from shoal.jobs import JobStore
+
+    store = JobStore(redis_lib.Redis.from_url(jobs_fleet["redis"]), prefix="unfinished-test")
+    items = [{"custom_id": f"c{i}", "endpoint": "completions", "body": {"prompt": "x"}}
+             for i in range(4)]
+    running, finished, cancelled, queued = (store.create(items) for _ in range(4))
+    store.start(running)
+    store.record(running, "c2", {"custom_id": "c2"}, "completed")
+    for item in items:
+        store.record(finished, item["custom_id"], {"custom_id": item["custom_id"]}, "completed")
+    store.record(cancelled, "c0", {"custom_id": "c0"}, "completed")
+    assert store.cancel(cancelled) == "cancelled"
+    assert store.status(finished)["status"] == "completed"
+    assert store.unfinished() == {running: [0, 1, 3], queued: [0, 1, 2, 3]}
+    assert {m.decode() for m in store.r.smembers(store.keys.jobs_open)} == {running, queued}
+    assert store.r.zcard(store.keys.jobs) == 4  # every job stays listed
+
+
 @pytest.mark.parametrize("celery_worker", [8], indirect=True)
 def test_interactive_requests_go_before_queued_job_requests(jobs_fleet, celery_worker):
     lines = [{"custom_id": f"p{i}", "prompt": p, "max_tokens": 10 + (7 * i) % 17,
