@@ -32,7 +32,8 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import metrics
+import shoal
+from gateway import anthropic, metrics
 from gateway.jobs import jobs_router
 from gateway.models import ModelCatalog, ServedModel
 from gateway.pages import pages_router
@@ -409,7 +410,7 @@ class Gateway(RequestPreparation):
 
 
 # Served without a key: probes, and the pages (which send the key the user types with each call).
-PUBLIC_PATHS = ("/healthz", "/health", "/readyz", "/", "/fleet", "/shoal.css")
+PUBLIC_PATHS = ("/healthz", "/health", "/ping", "/readyz", "/", "/fleet", "/shoal.css")
 
 
 def _usage(prompts: list[Prepared], *last: TokenEvent) -> dict[str, Any]:
@@ -543,6 +544,20 @@ def _bearer(header: str | None) -> str | None:
     return None
 
 
+def _presented_key(headers: Headers) -> str | None:
+    """The API key a request presents: `Authorization: Bearer <key>` (OpenAI's clients), else
+    `x-api-key` (Anthropic's)."""
+    return _bearer(headers.get("authorization")) or headers.get("x-api-key")
+
+
+def _error_response(path: str, e: APIError, headers: dict[str, str] | None = None
+                    ) -> JSONResponse:
+    """An error as the API of `path` answers it: Anthropic's body on its Messages API,
+    OpenAI's everywhere else."""
+    body = anthropic.error_body(e.status, str(e)) if anthropic.owns(path) else e.body()
+    return JSONResponse(body, status_code=e.status, headers=headers)
+
+
 class _Guard:
     """Authentication and the body-size limit, before any route runs (ASGI middleware)."""
 
@@ -559,16 +574,16 @@ class _Guard:
 
     def _refusal(self, scope: Scope) -> JSONResponse | None:
         settings, headers = self.settings, Headers(scope=scope)
-        if settings.api_keys and scope["path"] not in settings.public_paths and not _key_ok(
-                _bearer(headers.get("authorization")), settings.api_keys):
-            body = APIError("missing or invalid API key (Authorization: Bearer <key>)",
-                            status=401).body()
-            body["error"]["code"] = "invalid_api_key"
-            return JSONResponse(body, status_code=401)
+        path = scope["path"]
+        if settings.api_keys and path not in settings.public_paths and not _key_ok(
+                _presented_key(headers), settings.api_keys):
+            return _error_response(path, APIError(
+                "missing or invalid API key (Authorization: Bearer <key>, or x-api-key: <key>)",
+                status=401, code="invalid_api_key"))
         length = headers.get("content-length")
         if length and length.isdigit() and int(length) > settings.max_body_bytes:
-            return JSONResponse(APIError(f"the request body exceeds {settings.max_body_bytes} "
-                                         "bytes").body(), status_code=400)
+            return _error_response(path, APIError(
+                f"the request body exceeds {settings.max_body_bytes} bytes"))
         return None
 
 
@@ -622,26 +637,27 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                                    APIError, error_responses))
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError):
+    async def _api_error(request: Request, e: APIError):
         headers = {"Retry-After": str(settings.retry_after_s)} if e.status == 429 else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        return _error_response(request.url.path, e, headers)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException):
-        # Starlette's own errors (an unparsable body, 404 and 405 on unknown routes) get
-        # OpenAI's error body like ours.
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        # Starlette's own errors (an unparsable body, 404 and 405 on unknown routes) get the
+        # error body of ours.
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return JSONResponse(APIError(str(e.detail), status=e.status_code, kind=kind).body(),
-                            status_code=e.status_code, headers=getattr(e, "headers", None))
+        return _error_response(request.url.path,
+                               APIError(str(e.detail), status=e.status_code, kind=kind),
+                               getattr(e, "headers", None))
 
     @app.exception_handler(redis.RedisError)
-    async def _redis_error(_: Request, e: redis.RedisError):
-        return JSONResponse(APIError(f"the request queue (Redis) is unavailable: {e}", status=503,
-                                     kind="server_error").body(), status_code=503)
+    async def _redis_error(request: Request, e: redis.RedisError):
+        return _error_response(request.url.path, APIError(
+            f"the request queue (Redis) is unavailable: {e}", status=503, kind="server_error"))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError):
-        return JSONResponse(invalid_request(e.errors()).body(), status_code=400)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        return _error_response(request.url.path, invalid_request(e.errors()))
 
     # Plain ASGI middleware, not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware relays
     # every chunk of a streamed response through a memory stream and a task group, per layer,
@@ -653,17 +669,21 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
     async def prometheus_metrics():
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    async def admit(ps: list[Prepared], authorization: str | None,
-                    query_key: str | None = None) -> None:
-        """Overload and per-key rate limits, checked before a request (its choices) is enqueued."""
+    async def admit(ps: list[Prepared], key: str | None) -> None:
+        """Overload and per-key rate limits (`key`: the API key presented), checked before a
+        request (its choices) is enqueued."""
         await gw.check_capacity(settings.max_waiting)
-        key = _bearer(authorization) or query_key
         await gw.charge(key, sum(len(p.prompt_ids) + p.params.max_tokens for p in ps), settings)
 
     @app.get("/healthz")
     @app.get("/health", description="vLLM's name for /healthz")
+    @app.get("/ping", description="SageMaker's name for /healthz, as vLLM serves it")
     async def healthz():
         return {"status": "ok"}
+
+    @app.get("/version", responses=error_responses(401))
+    async def version():
+        return {"version": shoal.__version__}
 
     @app.get("/readyz", responses={503: {"description": "not ready: no worker or no Redis"}})
     async def readyz():
@@ -750,7 +770,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
     async def completions(req: CompletionRequest, request: Request):
         rid, prompts = gw.prepare_completion(req)
         ps = gw.choices(prompts, req.n)
-        await admit(ps, request.headers.get("authorization"))
+        await admit(ps, _presented_key(request.headers))
         created = int(time.time())
         model = ps[0].model
         base = {"id": rid, "object": "text_completion", "created": created, "model": model.name}
@@ -817,7 +837,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
     async def chat(req: ChatRequest, request: Request):
         p = gw.prepare_chat(req)
         ps = gw.choices([p], req.n)
-        await admit(ps, request.headers.get("authorization"))
+        await admit(ps, _presented_key(request.headers))
         created = int(time.time())
         base = {"id": p.request_id, "object": "chat.completion.chunk", "created": created,
                 "model": p.model.name}
@@ -879,17 +899,35 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
             raise renamed(e) from e
         except ValidationError as e:  # the chat request it amounts to, refused
             raise renamed(invalid_request(e.errors())) from e
-        await admit([p], request.headers.get("authorization"))
+        await admit([p], _presented_key(request.headers))
         shape = ResponseShape(req, p.model.name, p.tools)
         if req.stream:
             return TypedEventStream(shape.events(gw.run(p), lambda last: _usage([p], last)))
         done = (await _collect([p]))[0]
         return shape.body(done.text, done.last, _usage([p], done.last))
 
+    @app.post(anthropic.PATH, responses=anthropic.MESSAGES_RESPONSES)
+    async def messages(req: anthropic.MessagesRequest, request: Request):
+        """Anthropic's Messages API, served as a chat request (gateway/anthropic.py)."""
+        with anthropic.refusals():
+            p = gw.prepare_chat(req.to_chat())
+        await admit([p], _presented_key(request.headers))
+        shape = anthropic.MessageShape(req, p.model.name, p.tools, len(p.prompt_ids))
+        if req.stream:
+            return TypedEventStream(shape.events(gw.run(p), lambda last: _usage([p], last)))
+        done = (await _collect([p]))[0]
+        return shape.body(done.text, done.last, _usage([p], done.last))
+
+    @app.post(anthropic.PATH + "/count_tokens", responses=anthropic.COUNT_TOKENS_RESPONSES)
+    async def count_tokens(req: anthropic.CountTokensRequest):
+        """Anthropic's: the prompt tokens a Messages request of this conversation would have."""
+        with anthropic.refusals():
+            return {"input_tokens": len(gw.chat_prompt(req.chat_request())[1])}
+
     @app.websocket("/v1/stream")
     async def stream(ws: WebSocket):
         if settings.api_keys and not _key_ok(
-                _bearer(ws.headers.get("authorization")) or ws.query_params.get("api_key"),
+                _presented_key(ws.headers) or ws.query_params.get("api_key"),
                 settings.api_keys):
             metrics.REQUESTS.labels("/v1/stream", "401").inc()
             await ws.close(code=1008, reason="missing or invalid API key")  # before accepting
@@ -905,7 +943,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
             if body.get("n", 1) != 1 or len(prompts) != 1:
                 raise APIError("one prompt and one choice (n = 1) per WebSocket stream", param="n")
             p = prompts[0]
-            await admit([p], ws.headers.get("authorization"), ws.query_params.get("api_key"))
+            await admit([p], _presented_key(ws.headers) or ws.query_params.get("api_key"))
             index = 0
             async with contextlib.aclosing(gw.run(p)) as events:
                 async for piece, ev in events:

@@ -144,6 +144,20 @@ class RequestPreparation:
                                  req))
         return rid, out
 
+    def chat_prompt(self, req: ChatRequest) -> tuple[ServedModel, list[int]]:
+        """The model a chat request names and its prompt's token ids (the chat template over
+        its messages and tools).
+
+        Raises:
+            APIError: anything `ModelCatalog.get` or `ServedModel.chat_ids` refuse.
+        """
+        model = self.catalog.get(req.model)
+        return model, _truncate(model.chat_ids(
+            req.messages, req.add_generation_prompt, req.continue_final_message,
+            req.chat_template_kwargs,
+            [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None),
+            req.truncate_prompt_tokens)
+
     def prepare_chat(self, req: ChatRequest) -> Prepared:
         """The chat request ready for the fleet.
 
@@ -151,13 +165,8 @@ class RequestPreparation:
             APIError: anything `ModelCatalog.get`, `ServedModel.chat_ids`, `ToolCalls.of` or the
                 sampling parameters refuse.
         """
-        model = self.catalog.get(req.model)
         tools = ToolCalls.of(req, self.tool_call_parser)
-        ids = _truncate(model.chat_ids(
-            req.messages, req.add_generation_prompt, req.continue_final_message,
-            req.chat_template_kwargs,
-            [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None),
-            req.truncate_prompt_tokens)
+        model, ids = self.chat_prompt(req)
         if req.top_logprobs and not req.logprobs:
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
         params = self._params(req, model, req.max_completion_tokens or req.max_tokens, len(ids),

@@ -28,13 +28,13 @@ class APIError(Exception):
     """An error returned to the client as an OpenAI-style body."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", code: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.param, self.kind = status, param, kind
+        self.status, self.param, self.kind, self.code = status, param, kind, code
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param,
-                          "code": None}}
+                          "code": self.code}}
 
 
 class ErrorDetail(BaseModel):
@@ -373,10 +373,14 @@ class NamedToolChoice(BaseModel):
 
 
 # The fields whose forms are tagged unions, and their tags: pydantic puts the tag of the form a
-# value was checked against into an error's location, after the field; the error handler leaves
-# it out.
+# value was checked against into an error's location, after the field (after the index, for
+# the items of a list of unions: `items` and `blocks` are the tags of such lists); the error
+# handler leaves it out.
 UNION_TAGS = {"prompt": ("text", "token_ids", "texts", "token_id_lists"),
-              "content": ("text", "parts"), "input": ("text", "items")}
+              "content": ("text", "parts", "blocks", "text_blocks"), "input": ("text", "items"),
+              "system": ("text", "text_blocks"),
+              "items": ("message", "function_call", "function_call_output"),
+              "blocks": ("text", "tool_use", "tool_result", "thinking")}
 
 
 class ChatRequest(GenerationRequest):
@@ -452,6 +456,9 @@ def invalid_request(errors: list[Any]) -> APIError:
         detail = (err.get("ctx") or {}).get("error", "")
         return APIError(f"the request body is not valid JSON: {detail} (at character {offset})")
     path = [x for x in err.get("loc", ()) if x != "body"]
-    path = [x for i, x in enumerate(path) if not (i and x in UNION_TAGS.get(str(path[i - 1]), ()))]
+    # Each element's field: the nearest name before it, past list indexes.
+    fields = [next((str(y) for y in reversed(path[:i]) if isinstance(y, str)), "")
+              for i in range(len(path))]
+    path = [x for x, f in zip(path, fields) if x not in UNION_TAGS.get(f, ())]
     loc = ".".join(map(str, path))
     return APIError(f"{loc}: {err.get('msg', 'invalid request')}", param=loc or None)

@@ -45,8 +45,8 @@ class EventStream(StreamingResponse):
 
 
 class TypedEventStream(EventStream):
-    """The Responses API's stream: each event named by its `type` (`event:` lines), and no
-    `[DONE]`: its last event says it is the last."""
+    """The Responses API's and Anthropic's Messages API's streams: each event named by its
+    `type` (`event:` lines), and no `[DONE]`: its last event says it is the last."""
 
     end = ""
 

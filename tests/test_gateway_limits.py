@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+import shoal
 from tests.conftest import extra_gateway
 
 KEY = "sk-test-7f3a9c"
@@ -33,6 +34,9 @@ def test_api_keys(guarded):
     assert httpx.get(guarded + "/v1/models").status_code == 401
     assert httpx.get(guarded + "/metrics").status_code == 401
     assert httpx.get(guarded + "/healthz").status_code == 200
+    assert httpx.get(guarded + "/ping").status_code == 200
+    assert httpx.get(guarded + "/version").status_code == 401
+    assert httpx.get(guarded + "/version", headers=AUTH).json() == {"version": shoal.__version__}
     assert httpx.get(guarded + "/readyz").status_code == 200
     for page in ("/", "/fleet"):  # the pages are public; the data they read is not
         assert httpx.get(guarded + page).status_code == 200
@@ -40,6 +44,27 @@ def test_api_keys(guarded):
     assert httpx.get(guarded + "/v1/fleet", headers=AUTH).json()["workers"][0]["worker_id"] == "w0"
     r = httpx.post(guarded + "/v1/completions", json=body, headers=AUTH, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_anthropics_clients_send_the_key_as_x_api_key(guarded):
+    """The Messages API takes the key from `x-api-key` (Anthropic's clients send it so) and
+    refuses a missing or wrong one with Anthropic's error body."""
+    import anthropic
+
+    ask = {"model": "SmolLM2-135M-Instruct", "max_tokens": 2,
+           "messages": [{"role": "user", "content": "Hi"}]}
+    for key in ("wrong", None):
+        client = anthropic.Anthropic(base_url=guarded, api_key=key, max_retries=0,
+                                     auth_token=None if key else "also-wrong")
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            client.messages.create(**ask)
+        assert e.value.body["error"]["type"] == "authentication_error"
+        assert KEY not in str(e.value.body)
+    r = anthropic.Anthropic(base_url=guarded, api_key=KEY, max_retries=0).messages.create(**ask)
+    assert r.usage.output_tokens == 2
+    r = httpx.post(guarded + "/v1/completions", headers={"x-api-key": KEY}, timeout=60,
+                   json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200
 
 
 def test_websocket_checks_the_key_before_accepting(guarded):
