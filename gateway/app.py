@@ -19,11 +19,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import redis
 import redis.asyncio as aioredis
-from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi import FastAPI, Query, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -38,7 +38,7 @@ from gateway.jobs import jobs_router
 from gateway.models import ModelCatalog, ServedModel
 from gateway.pages import pages_router
 from gateway.prepare import Prepared, RequestPreparation
-from gateway.responses import ResponseShape, ResponsesRequest, renamed
+from gateway.responses import ResponseShape, ResponsesRequest, ResponseStore, renamed
 from gateway.schemas import (
     GENERATION_RESPONSES,
     RESPONSES_RESPONSES,
@@ -515,6 +515,7 @@ class GatewaySettings:
         requests_per_minute, tokens_per_minute: per API key (or per gateway without keys) and
             per calendar minute, shared by every gateway through Redis; tokens count the prompt
             plus `max_tokens`. 0 means no limit.
+        responses_ttl_s: seconds a stored Responses API response is kept.
     """
 
     api_keys: tuple[str, ...] = ()
@@ -526,6 +527,7 @@ class GatewaySettings:
     retry_after_s: int = 1
     requests_per_minute: int = 0
     tokens_per_minute: int = 0
+    responses_ttl_s: int = 86400
 
 
 def _key_ok(presented: str | None, keys: tuple[str, ...]) -> bool:
@@ -890,21 +892,65 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                 "choices": [choice(i, c) for i, c in enumerate(done)], **prompt_logprobs,
                 "usage": _usage([p], *(c.last for c in done))}
 
+    store = ResponseStore(lambda: gw.redis, gw.keys, settings.responses_ttl_s)
+
     @app.post("/v1/responses", responses=RESPONSES_RESPONSES)
     async def responses(req: ResponsesRequest, request: Request):
         """OpenAI's Responses API, served as a chat request (gateway/responses.py)."""
+        history = await store.history(req.previous_response_id) \
+            if req.previous_response_id else []
         try:
-            p = gw.prepare_chat(req.to_chat())
+            p = gw.prepare_chat(req.to_chat(history))
         except APIError as e:
             raise renamed(e) from e
         except ValidationError as e:  # the chat request it amounts to, refused
             raise renamed(invalid_request(e.errors())) from e
         await admit([p], _presented_key(request.headers))
         shape = ResponseShape(req, p.model.name, p.tools)
+        items = [*history, *req.items()]
+
+        async def keep(response: dict[str, Any], quiet: bool = False) -> None:
+            if req.store:
+                await store.save(response, items, quiet)
         if req.stream:
-            return TypedEventStream(shape.events(gw.run(p), lambda last: _usage([p], last)))
+            return TypedEventStream(shape.events(gw.run(p), lambda last: _usage([p], last),
+                                                 lambda response: keep(response, quiet=True)))
         done = (await _collect([p]))[0]
-        return shape.body(done.text, done.last, _usage([p], done.last))
+        response = shape.body(done.text, done.last, _usage([p], done.last))
+        await keep(response)
+        return response
+
+    # One route for both methods: Starlette's 405 lists the methods of the first route whose
+    # path matches, so a route per method would leave DELETE out of a GET route's `Allow`.
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"],
+                   responses=error_responses(401, 404))
+    async def stored_response(response_id: str, request: Request):
+        """GET: a stored response; DELETE: forget it."""
+        if request.method == "GET":
+            return (await store.load(response_id))["response"]
+        if not await store.delete(response_id):
+            raise APIError(f"no response {response_id!r} is stored", status=404,
+                           param="response_id")
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.get("/v1/responses/{response_id}/input_items", responses=error_responses(400, 401, 404))
+    async def response_input_items(response_id: str,
+                                   limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                                   after: str | None = None,
+                                   order: Literal["asc", "desc"] = "desc"):
+        """The input items a stored response answered (a previous response's included), as
+        OpenAI lists them: newest first by default, `limit` at a time after the item
+        `after`."""
+        items = (await store.load(response_id))["input"]
+        items = items[::-1] if order == "desc" else items
+        ids = [item["id"] for item in items]
+        if after is not None:
+            if after not in ids:
+                raise APIError(f"no input item {after!r} in this response", param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
     @app.post(anthropic.PATH, responses=anthropic.MESSAGES_RESPONSES)
     async def messages(req: anthropic.MessagesRequest, request: Request):

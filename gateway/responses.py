@@ -6,20 +6,29 @@ API's typed events (`response.created` ... `response.output_text.delta` ...
 `response.completed`).
 
 Function calls are made as chat makes them (gateway/tools.py): `tool_choice` naming a function
-or "required" constrains the reply; "auto" needs the gateway's tool-call parser. Stateless: nothing is stored, so `previous_response_id` is refused (send the
-conversation in `input`), and so is `background`.
+or "required" constrains the reply; "auto" needs the gateway's tool-call parser.
+
+A response with `store` (the default) is kept in Redis with the input items it answered
+(`ResponseStore`, for the gateway's `--responses-ttl` seconds), so every gateway of the fleet can
+return it (`GET /v1/responses/{id}`, its `input_items`), delete it, and continue its
+conversation: a request's `previous_response_id` puts that response's input and output before
+its own input (not its instructions, as OpenAI's API does). `background` is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+import redis
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter
 
 from gateway.schemas import (
     INT32_MAX,
@@ -37,7 +46,10 @@ from gateway.schemas import (
     unsupported,
 )
 from gateway.tools import ToolCalls
+from shoal.keys import Keys
 from shoal.messages import TokenEvent
+
+log = logging.getLogger("shoal.gateway")
 
 
 class InputText(BaseModel):
@@ -171,7 +183,9 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     text: TextConfig | None = None
     metadata: dict[str, str] | None = None
-    store: bool = Field(default=True, description="accepted; nothing is stored")
+    store: bool = Field(default=True, description="keep the response and its input for "
+                        "GET /v1/responses/{id} and previous_response_id (for the gateway's "
+                        "--responses-ttl)")
     user: str | None = None
     # shoal's and vLLM's extensions, as on chat
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
@@ -180,19 +194,24 @@ class ResponsesRequest(BaseModel):
     tools: list[FunctionTool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool = True
-    previous_response_id: Annotated[
-        str | None, unsupported((None,), "previous_response_id (responses are not stored: "
-                                "send the conversation in input)")] = None
+    previous_response_id: str | None = Field(
+        default=None, description="a stored response whose input and output come before this "
+        "input (its instructions do not)")
     background: Annotated[bool | None, unsupported((None, False), "background")] = None
 
-    def to_chat(self) -> ChatRequest:
-        """The chat request this response is the reply to."""
+    def items(self) -> list[InputMessage | FunctionCallItem | FunctionCallOutputItem]:
+        """This request's input as items (text is one user message)."""
+        if isinstance(self.input, str):
+            return [InputMessage(role="user", content=self.input)]
+        return list(self.input)
+
+    def to_chat(self, history: list[InputMessage | FunctionCallItem | FunctionCallOutputItem]
+                = ()) -> ChatRequest:
+        """The chat request this response is the reply to, after the `history` of a previous
+        response (`ResponseStore.history`)."""
         messages = [ChatMessage(role="system", content=self.instructions)] \
             if self.instructions is not None else []
-        if isinstance(self.input, str):
-            messages.append(ChatMessage(role="user", content=self.input))
-        else:
-            messages += _chat_messages(self.input)
+        messages += _chat_messages([*history, *self.items()])
         fmt = self.text.format if self.text else None
         choice = self.tool_choice
         return ChatRequest(
@@ -279,7 +298,8 @@ class ResponseShape:
                             else req.tool_choice or ("auto" if req.tools else "none")),
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
             "text": {"format": (req.text.format if req.text else TextFormat(type="text")).echo()},
-            "metadata": req.metadata or {}, "user": req.user,
+            "metadata": req.metadata or {}, "user": req.user, "store": req.store,
+            "previous_response_id": req.previous_response_id,
             "usage": None if usage is None else {
                 "input_tokens": usage["prompt_tokens"],
                 "input_tokens_details": usage["prompt_tokens_details"],
@@ -311,11 +331,13 @@ class ResponseShape:
     def part(text: str) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
-    async def events(self, run: AsyncIterator[tuple[str, TokenEvent]], usage
+    async def events(self, run: AsyncIterator[tuple[str, TokenEvent]], usage,
+                     done: Callable[[dict[str, Any]], Awaitable[None]]
                      ) -> AsyncIterator[tuple[list[dict[str, Any]], bool]]:
         """The stream's events, grouped by token as `gateway.sse.EventStream` writes them,
         from `gateway.app.Gateway.run`'s (text, event) pairs; `usage(last_event)` counts the
-        tokens. In order: created and in_progress; then the message's events as its text
+        tokens, and `done(response)` is awaited with the final response before its event is
+        sent (it stores it). In order: created and in_progress; then the message's events as its text
         comes (item and part added, a delta per piece, text, part and item done), or, when
         the reply is function calls, each call's events once the reply is complete (item
         added, its arguments, item done: a "required" reply is no call until its array
@@ -368,18 +390,20 @@ class ResponseShape:
             async for piece, ev in stream:
                 text += piece
                 if ev.finish_reason == "error":
-                    yield [*group, event("response.failed",
-                                         response=self.body(text, ev, None))], True
+                    failed = self.body(text, ev, None)
+                    await done(failed)
+                    yield [*group, event("response.failed", response=failed)], True
                     return
                 if ev.finish_reason is not None:
-                    done = self.body(text, ev, usage(ev))
+                    final = self.body(text, ev, usage(ev))
+                    await done(final)
                     if self.tools is None:
-                        group += closed(0, done["output"][0], piece)
+                        group += closed(0, final["output"][0], piece)
                     else:
-                        for k, item in enumerate(done["output"]):
+                        for k, item in enumerate(final["output"]):
                             group += [*opened(k, item), *closed(k, item, item.get("content") and
                                                                 item["content"][0]["text"])]
-                    yield [*group, event(f"response.{done['status']}", response=done)], True
+                    yield [*group, event(f"response.{final['status']}", response=final)], True
                     return
                 if piece and self.tools is None:
                     group.append(event("response.output_text.delta", item_id=self.item_id,
@@ -388,3 +412,85 @@ class ResponseShape:
                 if group:
                     yield group, False
                     group = []
+
+
+_ITEMS = TypeAdapter(list[InputItem])
+
+
+class ResponseStore:
+    """Responses kept in Redis (`Keys.response`) for `ttl_s` seconds, with the input items each
+    answered (its previous response's history included), shared by every gateway of the fleet.
+
+    Args:
+        redis: the gateway's Redis client, when it has one (it is made at start-up).
+        keys: the fleet's key names.
+        ttl_s: how long a response is kept, in seconds.
+    """
+
+    def __init__(self, redis_of: Callable[[], aioredis.Redis | None], keys: Keys,
+                 ttl_s: int) -> None:
+        self.redis_of, self.keys, self.ttl_s = redis_of, keys, ttl_s
+
+    @property
+    def redis(self) -> aioredis.Redis:
+        r = self.redis_of()
+        assert r is not None, "the gateway has not started"
+        return r
+
+    async def save(self, response: dict[str, Any], items: list[Any], quiet: bool = False
+                   ) -> None:
+        """Keep `response` (a response object) and the input `items` it answered, each item
+        with an id. `quiet`: a Redis failure is logged, not raised (a stream whose reply is
+        sent already)."""
+        data = []
+        for item in items:
+            d = item.model_dump(exclude_none=True)
+            if isinstance(d.get("content"), str):  # as OpenAI lists a message: its parts
+                d["content"] = [{"type": "output_text" if d["role"] == "assistant"
+                                 else "input_text", "text": d["content"]}]
+            prefix = {"message": "msg", "function_call": "fc"}.get(d["type"], "fco")
+            data.append({"id": f"{prefix}_{uuid.uuid4().hex}", **d})
+        try:
+            await self.redis.set(self.keys.response(response["id"]),
+                                 json.dumps({"response": response, "input": data}),
+                                 ex=self.ttl_s)
+        except redis.RedisError:
+            if not quiet:
+                raise
+            log.warning("response %s not stored: Redis failed", response["id"], exc_info=True)
+
+    async def load(self, response_id: str) -> dict[str, Any]:
+        """The stored `{"response", "input"}` of a response.
+
+        Raises:
+            APIError: 404 when there is none (never stored, deleted, or expired).
+        """
+        raw = await self.redis.get(self.keys.response(response_id))
+        if raw is None:
+            raise APIError(f"no response {response_id!r} is stored (never stored, deleted, or "
+                           f"older than the gateway's --responses-ttl)", status=404,
+                           param="response_id")
+        return json.loads(raw)
+
+    async def history(self, response_id: str) -> list[Any]:
+        """The conversation a continuation of a stored response starts with: its input items,
+        then its output as input items (the assistant's message, its function calls).
+
+        Raises:
+            APIError: 404 when the response is not stored (naming previous_response_id).
+        """
+        try:
+            stored = await self.load(response_id)
+        except APIError as e:
+            e.param = "previous_response_id"
+            raise
+        output = [{"type": "message", "role": "assistant",
+                   "content": [{"type": "output_text", "text": part["text"]}
+                               for part in item["content"]]}
+                  if item["type"] == "message" else
+                  {k: item[k] for k in ("type", "call_id", "name", "arguments")}
+                  for item in stored["response"]["output"]]
+        return _ITEMS.validate_python([*stored["input"], *output])
+
+    async def delete(self, response_id: str) -> bool:
+        return bool(await self.redis.delete(self.keys.response(response_id)))

@@ -234,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "windows of tokens")
     gw.add_argument("--tokens-per-minute", type=int, default=0,
                     help="prompt + max_tokens per API key per minute (0 = no limit)")
+    gw.add_argument("--responses-ttl", type=_positive_int, default=86400,
+                    help="seconds a stored Responses API response is kept in Redis (for GET "
+                         "/v1/responses/{id} and previous_response_id)")
 
     u = sub.add_parser("up", help="the whole fleet: Redis, scheduler, workers and gateway")
     u.add_argument("--host", default="127.0.0.1")
@@ -646,7 +649,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
                                requests_per_minute=args.requests_per_minute,
                                tokens_per_minute=args.tokens_per_minute,
                                max_overflow_windows=args.max_overflow_windows,
-                               tool_call_parser=_tool_call_parser(args))
+                               tool_call_parser=_tool_call_parser(args),
+                               responses_ttl_s=args.responses_ttl)
     app = create_app(args.redis_url, models, args.prefix, settings)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

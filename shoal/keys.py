@@ -27,6 +27,8 @@ class Keys:
         progress(id): list of a request's generated token ids, for a scheduler taking over.
         jobs, jobs_open, job(id), job_requests(id), job_results(id): batch jobs
             (shoal/jobs.py).
+        response(id): string with a TTL, a stored Responses API response and the input items
+            it answered (JSON; gateway/responses.py `ResponseStore`).
     """
 
     prefix: str = "shoal"
@@ -75,6 +77,9 @@ class Keys:
 
     def progress(self, request_id: str) -> str:
         return f"{self.prefix}:progress:{request_id}"
+
+    def response(self, response_id: str) -> str:
+        return f"{self.prefix}:response:{response_id}"
 
     def rate(self, who: str, what: str, minute: int) -> str:
         """Counter of `what` ("requests" or "tokens") used by `who` (a key hash) in `minute`."""

@@ -143,8 +143,8 @@ def test_bad_jobs_are_refused_with_a_clear_error(jobs_fleet):
                           "repeated"),
                          ('[{"prompt": "x"}]', "custom_id"),
                          ('[{"custom_id": "a", "prompt": "x", "max_tokens": -1}]', "max_tokens"),
-                         ('[{"custom_id": "a", "input": "x", "previous_response_id": "r"}]',
-                          "previous_response_id")]:
+                         ('[{"custom_id": "a", "input": "x", "background": true}]',
+                          "background")]:
         r = httpx.post(url, content=body, timeout=30)
         assert r.status_code == 400, body
         assert needle in r.json()["error"]["message"]

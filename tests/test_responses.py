@@ -152,6 +152,94 @@ def test_function_calls_are_made_as_chat_makes_them(fleet, client):
     assert r.output_text == chat["choices"][0]["message"]["content"]
 
 
+def test_stored_responses_are_read_listed_deleted_and_continued(fleet, client, oracle,
+                                                               tokenizer):
+    """A response is stored with its input (every gateway reads it from Redis): retrieved as it
+    was returned, its input items listed as OpenAI lists them, deleted; a response with
+    `previous_response_id` answers that response's conversation followed by its own input,
+    streamed or not, and is stored in turn; `store: false` keeps nothing."""
+    import openai
+
+    first = client.responses.create(model=MODEL, input="Name a fruit.", max_output_tokens=8,
+                                    temperature=0, instructions="Be brief.")
+    assert first.store is True
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    import redis
+
+    ttl = redis.Redis.from_url(fleet["redis"]).ttl(f"shoal:response:{first.id}")
+    assert 86400 - 60 < ttl <= 86400  # the gateway's --responses-ttl, a day by default
+    (item,) = client.responses.input_items.list(first.id).data
+    assert item.type == "message" and item.role == "user"
+    assert item.content[0].text == "Name a fruit."
+
+    # The continuation: the first turn (without its instructions) and the new input.
+    second = client.responses.create(model=MODEL, previous_response_id=first.id,
+                                     input="Another one.", max_output_tokens=8, temperature=0)
+    conversation = [{"role": "user", "content": "Name a fruit."},
+                    {"role": "assistant", "content": first.output_text},
+                    {"role": "user", "content": "Another one."}]
+    ids = _chat_ids(tokenizer, conversation)
+    expected = oracle(ids, 8)
+    assert second.output_text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert second.usage.input_tokens == len(ids)
+    assert second.previous_response_id == first.id
+    items = client.responses.input_items.list(second.id)  # newest first, as OpenAI's
+    assert [(i.role, i.content[0].text) for i in items.data] == \
+        [(m["role"], m["content"]) for m in reversed(conversation)]
+    assert not items.has_more and items.first_id == items.data[0].id
+    page = client.responses.input_items.list(second.id, order="asc", limit=2)
+    assert [i.id for i in page.data] == [i.id for i in reversed(items.data)][:2]
+    assert page.has_more
+    rest = client.responses.input_items.list(second.id, order="asc", after=page.last_id)
+    assert [i.id for i in rest.data] == [items.data[0].id] and not rest.has_more
+
+    # Streamed, the continuation of the continuation; what is stored is the final event's.
+    events = list(client.responses.create(model=MODEL, previous_response_id=second.id,
+                                          input="And a third?", max_output_tokens=8,
+                                          temperature=0, stream=True))
+    third = events[-1].response
+    ids = _chat_ids(tokenizer, [*conversation, {"role": "assistant",
+                                                "content": second.output_text},
+                                {"role": "user", "content": "And a third?"}])
+    assert third.output_text == tokenizer.decode(oracle(ids, 8), skip_special_tokens=True)
+    assert client.responses.retrieve(third.id).model_dump() == third.model_dump()
+
+    unstored = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2,
+                                       temperature=0, store=False)
+    assert client.responses.delete(first.id) is None  # the SDK returns nothing on success
+    for gone in (first.id, unstored.id):
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(gone)
+        r = httpx.post(fleet["url"] + "/v1/responses", timeout=30,
+                       json={"input": "Hi", "previous_response_id": gone})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+    assert httpx.delete(fleet["url"] + f"/v1/responses/{first.id}", timeout=30).status_code == 404
+    assert httpx.get(fleet["url"] + f"/v1/responses/{second.id}/input_items?limit=0",
+                     timeout=30).status_code == 400
+
+
+def test_a_function_calls_output_continues_its_stored_response(client, fleet):
+    """The tool loop of OpenAI's guides: the reply's function call, then only its output sent
+    with `previous_response_id`; the prompt is the one the whole conversation makes."""
+    question = "What is the weather like in Paris?"
+    r = client.responses.create(model=MODEL, input=question, tools=[WEATHER], temperature=0,
+                                max_output_tokens=40,
+                                tool_choice={"type": "function", "name": "get_weather"})
+    (call,) = r.output
+    follow_up = [{"role": "user", "content": question},
+                 {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                  "arguments": call.arguments},
+                 {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}]
+    whole = client.responses.create(model=MODEL, input=follow_up, max_output_tokens=8,
+                                    temperature=0)
+    continued = client.responses.create(model=MODEL, previous_response_id=r.id,
+                                        input=follow_up[2:], max_output_tokens=8, temperature=0)
+    assert continued.usage.input_tokens == whole.usage.input_tokens
+    assert continued.output_text == whole.output_text
+    kinds = [i.type for i in client.responses.input_items.list(continued.id, order="asc").data]
+    assert kinds == ["message", "function_call", "function_call_output"]
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
     ({"tools": [WEATHER]}, "tool_choice"),
