@@ -25,10 +25,10 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from gateway.schemas import (
     INT32_MAX,
@@ -43,7 +43,7 @@ from gateway.schemas import (
     ResponseFormat,
     Tool,
     ToolCall,
-    invalid_request,
+    refusals_named,
 )
 from gateway.sse import ChunkGroup
 from gateway.tools import ToolCalls
@@ -323,17 +323,9 @@ _PARAMS = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens",
            "response_format": "output_config.format", "continue_final_message": "messages"}
 
 
-@contextlib.contextmanager
-def refusals() -> Iterator[None]:
-    """Refusals of the chat request a Messages request amounts to (APIError, or pydantic's
-    ValidationError as `invalid_request` makes it a 400), naming the Messages request's
-    parameters instead."""
-    try:
-        yield
-    except (APIError, ValidationError) as e:
-        error = invalid_request(e.errors()) if isinstance(e, ValidationError) else e
-        error.param = _PARAMS.get(error.param or "", error.param)
-        raise error from e
+def refusals() -> contextlib.AbstractContextManager[None]:
+    """Refusals of the chat request a Messages request amounts to, naming its parameters."""
+    return refusals_named(_PARAMS)
 
 
 class MessageShape:

@@ -38,7 +38,8 @@ from gateway.jobs import jobs_router
 from gateway.models import ModelCatalog, ServedModel
 from gateway.pages import pages_router
 from gateway.prepare import Prepared, RequestPreparation
-from gateway.responses import ResponseShape, ResponsesRequest, ResponseStore, renamed
+from gateway.responses import ResponseShape, ResponsesRequest, ResponseStore
+from gateway.responses import refusals as responses_refusals
 from gateway.schemas import (
     GENERATION_RESPONSES,
     RESPONSES_RESPONSES,
@@ -899,12 +900,8 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         """OpenAI's Responses API, served as a chat request (gateway/responses.py)."""
         history = await store.history(req.previous_response_id) \
             if req.previous_response_id else []
-        try:
+        with responses_refusals():
             p = gw.prepare_chat(req.to_chat(history))
-        except APIError as e:
-            raise renamed(e) from e
-        except ValidationError as e:  # the chat request it amounts to, refused
-            raise renamed(invalid_request(e.errors())) from e
         await admit([p], _presented_key(request.headers))
         shape = ResponseShape(req, p.model.name, p.tools)
         items = [*history, *req.items()]

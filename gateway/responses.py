@@ -43,6 +43,7 @@ from gateway.schemas import (
     ResponseFormat,
     Tool,
     ToolCall,
+    refusals_named,
     unsupported,
 )
 from gateway.tools import ToolCalls
@@ -251,10 +252,9 @@ _PARAMS = {"messages": "input", "response_format": "text.format",
            "max_completion_tokens": "max_output_tokens"}
 
 
-def renamed(e: APIError) -> APIError:
-    """A chat request's refusal naming the response request's parameter instead."""
-    e.param = _PARAMS.get(e.param or "", e.param)
-    return e
+def refusals() -> contextlib.AbstractContextManager[None]:
+    """Refusals of the chat request a response request amounts to, naming its parameters."""
+    return refusals_named(_PARAMS)
 
 
 class ResponseShape:

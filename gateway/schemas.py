@@ -7,7 +7,9 @@ refused by name, never ignored.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -17,6 +19,7 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
+    ValidationError,
     model_validator,
 )
 
@@ -444,6 +447,19 @@ class FleetStatus(BaseModel):
     models: list[str] = Field(description="every model served, by the name its workers advertise")
     num_waiting: int = Field(description="requests waiting in the scheduler's queue")
     workers: list[FleetWorker]
+
+
+@contextlib.contextmanager
+def refusals_named(names: dict[str, str]) -> Iterator[None]:
+    """Refusals of the chat request another API's request amounts to (APIError, or pydantic's
+    ValidationError as `invalid_request` makes it a 400), naming that request's parameters
+    instead of chat's (`names`: chat's name -> the other API's)."""
+    try:
+        yield
+    except (APIError, ValidationError) as e:
+        error = invalid_request(e.errors()) if isinstance(e, ValidationError) else e
+        error.param = names.get(error.param or "", error.param)
+        raise error from e
 
 
 def invalid_request(errors: list[Any]) -> APIError:
