@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import shoal
@@ -55,6 +56,7 @@ from gateway.schemas import (
     invalid_request,
 )
 from gateway.sse import ChunkGroup, EventStream, TypedEventStream
+from shoal import tracing
 from shoal.detokenizer import IncrementalDetokenizer
 from shoal.keys import Keys
 from shoal.messages import (
@@ -171,6 +173,7 @@ class Gateway(RequestPreparation):
         self._background: set[asyncio.Task] = set()
         self.max_overflow_windows = 8  # GatewaySettings.max_overflow_windows, set by create_app
         self.tool_call_parser: str | None = None  # GatewaySettings.tool_call_parser, likewise
+        self.tracer = None  # spans of requests (shoal/tracing.py), set by create_app
         self.subscribed = False  # the token channel is live: requests may be enqueued
 
     async def start(self) -> None:
@@ -241,11 +244,16 @@ class Gateway(RequestPreparation):
         assert self.redis is not None
         q: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.queues[p.request_id] = q
+        span = None if self.tracer is None else tracing.start_request_span(
+            self.tracer, p.request_id, p.model.name, p.params, len(p.prompt_ids), p.priority)
         sub = RequestSubmission(p.request_id, p.model.name, p.prompt_ids, p.params, time.time(),
-                                self.channel, p.priority)
-        finished = False
+                                self.channel, p.priority,
+                                None if span is None else tracing.carrier_of(span))
+        finished: TokenEvent | None = None  # the last event, once the request has one
         t0 = time.perf_counter()
+        first_token_t: float | None = None
         last_token_t: float | None = None
+        next_index = 0  # tokens received
         # The model's series, looked up once rather than per token.
         ttft, itl, e2e, generated = (m.labels(p.model.name) for m in (
             metrics.TTFT, metrics.ITL, metrics.E2E, metrics.GENERATION_TOKENS))
@@ -257,7 +265,6 @@ class Gateway(RequestPreparation):
             await self._ring(pipe).execute()
             detok = IncrementalDetokenizer(p.model.tokenizer, p.skip_special_tokens)
             stops = StopMatcher(p.stops, p.include_stop_str)
-            next_index = 0
             while True:
                 ev = await q.get()
                 if ev.prompt_logprobs is not None:  # no tokens: the prompt's, for echo
@@ -271,6 +278,7 @@ class Gateway(RequestPreparation):
                 for t in ev.token_ids[skip:]:
                     text += detok.add(t)
                     if last_token_t is None:
+                        first_token_t = now
                         ttft.observe(now - t0)
                     else:
                         itl.observe(now - last_token_t)
@@ -281,23 +289,31 @@ class Gateway(RequestPreparation):
                     text += detok.flush()
                 out, hit = stops.feed(text)
                 if hit:
-                    finished = True
                     self._cancel_soon(p.request_id)
-                    yield out, replace(ev, finish_reason="stop", error=None, error_status=None,
+                    finished = replace(ev, finish_reason="stop", error=None, error_status=None,
                                        completion_tokens=next_index)
+                    yield out, finished
                     return
                 if ev.finish_reason is not None:
-                    finished = True
+                    finished = ev
                     yield out + stops.flush(), ev
                     return
                 yield out, ev
         finally:
             self.queues.pop(p.request_id, None)
             metrics.ACTIVE_STREAMS.dec()
-            if finished:
-                e2e.observe(time.perf_counter() - t0)
+            e2e_s = time.perf_counter() - t0
+            if finished is not None:
+                e2e.observe(e2e_s)
             else:
                 self._cancel_soon(p.request_id)
+            if span is not None:
+                tracing.end_request_span(
+                    span, finished and finished.finish_reason,
+                    finished.completion_tokens if finished else next_index,
+                    finished.cached_tokens if finished else 0,
+                    None if first_token_t is None else first_token_t - t0, e2e_s,
+                    finished.error if finished and finished.finish_reason == "error" else None)
 
     def _ring(self, pipe):
         """Add to `pipe` the wake-up that follows every request and cancel: the scheduler blocks
@@ -590,6 +606,29 @@ class _Guard:
         return None
 
 
+class _TraceContext:
+    """The client's W3C trace context (`traceparent`), when its request carries one, made the
+    current context while the request runs: the spans the request starts are its children
+    (ASGI middleware, added only when the gateway traces)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = Headers(scope=scope) if scope["type"] in ("http", "websocket") else {}
+        carrier = {h: headers[h] for h in tracing.TRACE_HEADERS if h in headers}
+        if not carrier:
+            await self.app(scope, receive, send)
+            return
+        from opentelemetry import context
+
+        token = context.attach(tracing.context_of(carrier))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            context.detach(token)
+
+
 class _CountRequests:
     """`shoal_gateway_requests_total` by route and status (ASGI middleware)."""
 
@@ -616,12 +655,14 @@ class _CountRequests:
 
 
 def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: str = "shoal",
-               settings: GatewaySettings | None = None) -> FastAPI:
-    """The gateway's FastAPI application, serving `models` (None: the default model)."""
+               settings: GatewaySettings | None = None, tracer: Any = None) -> FastAPI:
+    """The gateway's FastAPI application, serving `models` (None: the default model); with a
+    `tracer` (shoal/tracing.py), every request in the fleet gets a span."""
     settings = settings or GatewaySettings()
     gw = Gateway(redis_url, models, prefix)
     gw.max_overflow_windows = settings.max_overflow_windows
     gw.tool_call_parser = settings.tool_call_parser
+    gw.tracer = tracer
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -649,9 +690,16 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         # Starlette's own errors (an unparsable body, 404 and 405 on unknown routes) get the
         # error body of ours.
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        headers = getattr(e, "headers", None)
+        if e.status_code == 405:
+            # Starlette's Allow names the methods of the first route whose path matches; a
+            # path served by a route per method (GET and DELETE /v1/responses/{id}) allows all.
+            allowed = {m for route in app.router.routes if isinstance(route, Route)
+                       and route.matches(request.scope)[0] == Match.PARTIAL
+                       for m in route.methods or ()}
+            headers = {**(headers or {}), "Allow": ", ".join(sorted(allowed))}
         return _error_response(request.url.path,
-                               APIError(str(e.detail), status=e.status_code, kind=kind),
-                               getattr(e, "headers", None))
+                               APIError(str(e.detail), status=e.status_code, kind=kind), headers)
 
     @app.exception_handler(redis.RedisError)
     async def _redis_error(request: Request, e: redis.RedisError):
@@ -666,6 +714,8 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
     # every chunk of a streamed response through a memory stream and a task group, per layer,
     # which made the gateway's CPU time per streamed token the largest part of its load.
     app.add_middleware(_Guard, settings=settings)
+    if tracer is not None:
+        app.add_middleware(_TraceContext)
     app.add_middleware(_CountRequests)  # outermost: counts the guard's refusals too
 
     @app.get("/metrics", responses={200: {"content": {"text/plain": {}}}, **error_responses(401)})
@@ -917,14 +967,13 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         await keep(response)
         return response
 
-    # One route for both methods: Starlette's 405 lists the methods of the first route whose
-    # path matches, so a route per method would leave DELETE out of a GET route's `Allow`.
-    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"],
-                   responses=error_responses(401, 404))
-    async def stored_response(response_id: str, request: Request):
-        """GET: a stored response; DELETE: forget it."""
-        if request.method == "GET":
-            return (await store.load(response_id))["response"]
+    @app.get("/v1/responses/{response_id}", responses=error_responses(401, 404))
+    async def get_response(response_id: str):
+        """A stored response."""
+        return (await store.load(response_id))["response"]
+
+    @app.delete("/v1/responses/{response_id}", responses=error_responses(401, 404))
+    async def delete_response(response_id: str):
         if not await store.delete(response_id):
             raise APIError(f"no response {response_id!r} is stored", status=404,
                            param="response_id")

@@ -27,11 +27,13 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import redis
 
 from scheduler import metrics
 from scheduler.core import RequestState, Scheduler, WorkerState
+from shoal import tracing
 from shoal.keys import Keys
 from shoal.messages import (
     Cancel,
@@ -114,8 +116,10 @@ class _Alarm:
 class SchedulerServer:
     def __init__(self, redis_url: str, policy: str = "reserve", max_num_seqs: int = 256,
                  prefix: str = "shoal", max_migrations: int = 3, lease_ms: int = 3000,
-                 queue_deadline_s: float = 0.0, priority_aging_s: float = 30.0) -> None:
+                 queue_deadline_s: float = 0.0, priority_aging_s: float = 30.0,
+                 tracer: Any = None) -> None:
         self.redis = redis.Redis.from_url(redis_url)
+        self.tracer = tracer  # spans of requests whose gateway traces them (shoal/tracing.py)
         self.keys = Keys(prefix)
         self.core = Scheduler(policy, max_num_seqs, max_migrations, queue_deadline_s,
                               priority_aging_s)
@@ -287,9 +291,12 @@ class SchedulerServer:
         for raw in cancels or []:
             msg = decode(raw)
             assert isinstance(msg, Cancel)
+            s = self.core.requests.get(msg.request_id)
             event = self.core.cancel(msg.request_id)
             if event is not None:
                 metrics.REQUESTS_FINISHED.labels("cancelled").inc()
+                if s is not None:
+                    self._trace_finished(s, "cancelled", s.worker_id, time.time())
                 self._publish([event])
 
     def _add_submission(self, entry_id: bytes, fields: dict, restore: bool = False) -> None:
@@ -402,7 +409,17 @@ class SchedulerServer:
             if s is not None and e.finish_reason is not None:
                 metrics.REQUESTS_FINISHED.labels(e.finish_reason).inc()
                 self._log_finished(s, e.finish_reason, result.worker_id, now)
+                self._trace_finished(s, e.finish_reason, result.worker_id, now)
         self._publish(events)
+
+    def _trace_finished(self, s: RequestState, reason: str, worker_id: str | None,
+                        now: float) -> None:
+        """The request's span in the scheduler, when its gateway traces it (a cancelled
+        request's too: a stop string cancels one)."""
+        if self.tracer is not None and s.sub.trace_context is not None:
+            tracing.record_schedule_span(
+                self.tracer, s.sub, worker_id, reason, len(s.output_token_ids), s.cached_tokens,
+                s.migrations, s.admitted_at, s.first_token_at, now)
 
     @staticmethod
     def _log_finished(s: RequestState, reason: str, worker_id: str, now: float) -> None:

@@ -115,6 +115,29 @@ def _tool_call_parser(args: argparse.Namespace) -> str | None:
     return args.tool_call_parser
 
 
+def _add_tracing_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces of requests to this OTLP collector, as "
+                        "vLLM's (http/protobuf, or grpc with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL; "
+                        "needs shoal[tracing])")
+
+
+def _tracer(args: argparse.Namespace, service: str):
+    """The process's tracer (shoal/tracing.py), None without --otlp-traces-endpoint.
+
+    Raises:
+        CLIError: the OpenTelemetry SDK or its exporter is not installed.
+    """
+    if args.otlp_traces_endpoint is None:
+        return None
+    from shoal.tracing import TracingUnavailable, init_tracer
+
+    try:
+        return init_tracer(service, args.otlp_traces_endpoint)
+    except TracingUnavailable as e:
+        raise CLIError(str(e)) from e
+
+
 def _add_chat_template_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="the Jinja chat template to use instead of the model's, as vLLM's: a "
@@ -198,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=_positive_int, default=256)
     s.add_argument("--prefix", default="shoal", help="Redis key prefix")
     s.add_argument("--metrics-port", type=int, default=0, help="serve /metrics here (0 = off)")
+    _add_tracing_arg(s)
     s.add_argument("--max-migrations", type=int, default=3,
                    help="a request whose worker is lost more often than this fails")
     s.add_argument("--lease-ms", type=_positive_int, default=3000,
@@ -219,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_served_model_name_arg(gw)
     _add_chat_template_arg(gw)
     _add_tool_call_args(gw)
+    _add_tracing_arg(gw)
     gw.add_argument("--prefix", default="shoal", help="Redis key prefix")
     gw.add_argument("--api-key", action="append", default=[],
                     help="accepted API key (repeatable; also SHOAL_API_KEYS, comma-separated)")
@@ -249,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_served_model_name_arg(u)
     _add_chat_template_arg(u)
     _add_tool_call_args(u)
+    _add_tracing_arg(u)
     u.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="every worker's dtype (auto: chosen by each worker for its machine)")
     u.add_argument("--kv-cache-bytes", type=_positive_int, default=None)
@@ -621,10 +647,11 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     from shoal.metrics import serve_metrics
     from shoal.process import freeze_heap
 
+    tracer = _tracer(args, "shoal-scheduler")
     serve_metrics(args.metrics_port)
     server = SchedulerServer(args.redis_url, args.policy, args.max_num_seqs, args.prefix,
                              args.max_migrations, args.lease_ms, args.queue_deadline,
-                             args.priority_aging_s)
+                             args.priority_aging_s, tracer)
     freeze_heap()
     return server.run()
 
@@ -651,7 +678,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
                                max_overflow_windows=args.max_overflow_windows,
                                tool_call_parser=_tool_call_parser(args),
                                responses_ttl_s=args.responses_ttl)
-    app = create_app(args.redis_url, models, args.prefix, settings)
+    tracer = _tracer(args, "shoal-gateway")
+    app = create_app(args.redis_url, models, args.prefix, settings, tracer)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
@@ -711,6 +739,16 @@ def _cmd_up(args: argparse.Namespace) -> int:
         gateway_args += ["--chat-template", args.chat_template]
     if _tool_call_parser(args):
         gateway_args += ["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser]
+    scheduler_args: list[str] = []
+    if args.otlp_traces_endpoint is not None:
+        from shoal.tracing import TracingUnavailable, span_exporter_class
+
+        try:  # refused here, not by the gateway and the scheduler as they start
+            span_exporter_class()
+        except TracingUnavailable as e:
+            raise CLIError(str(e)) from e
+        gateway_args += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+        scheduler_args += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     for flag, value in (("--kv-cache-bytes", args.kv_cache_bytes),
                         ("--max-model-len", args.max_model_len), ("--threads", args.threads),
                         ("--speculative-config", args.speculative_config)):
@@ -718,7 +756,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
             worker_args += [flag, str(value)]
     try:
         return up(args.host, args.port, args.workers, args.redis_url, worker_args, args.threads,
-                  args.metrics_port_base, args.jobs, args.policy, gateway_args, args.model or ())
+                  args.metrics_port_base, args.jobs, args.policy, gateway_args, args.model or (),
+                  scheduler_args)
     except (RuntimeError, FileNotFoundError) as e:
         raise CLIError(str(e)) from e
 

@@ -164,14 +164,16 @@ def start_fleet(host: str, port: int, workers: int, redis_url: str | None,
                 worker_args: list[str], threads: int | None, metrics_port_base: int = 9400,
                 jobs: bool = False, policy: str = "reserve", ready_timeout_s: float = 180,
                 log: IO | None = None, gateway_args: list[str] | tuple[str, ...] = (),
-                models: list[str] | tuple[str, ...] = ()) -> Fleet:
+                models: list[str] | tuple[str, ...] = (),
+                scheduler_args: list[str] | tuple[str, ...] = ()) -> Fleet:
     """Start Redis (unless `redis_url` names one), the scheduler, `workers` workers (each with
     `worker_args`, the engine's flags, and `worker_env(threads)`) and the gateway on
     `host:port`, plus a Celery worker with `jobs`; return once the gateway's /readyz answers.
     With `models` (paths), `workers` workers serve each model and the gateway all of them;
     else the workers serve the `--model` in `worker_args`, if any, and so does the gateway.
     The scheduler exports metrics on `metrics_port_base`, worker i on `metrics_port_base + 1 + i`
-    (0 turns them off). The gateway also gets `gateway_args`. The processes write their logs
+    (0 turns them off). The gateway also gets `gateway_args`, the scheduler
+    `scheduler_args`. The processes write their logs
     to `log` (a file), else to this process's stdout and stderr.
 
     Raises:
@@ -196,7 +198,7 @@ def start_fleet(host: str, port: int, workers: int, redis_url: str | None,
             return started[-1]
 
         scheduler = start("scheduler", "--redis-url", redis_url, "--metrics-port", mport(0),
-                          "--policy", policy)
+                          "--policy", policy, *scheduler_args)
         if models:
             model_args = [a for m in models for a in ("--model", m)]
             each = [[*worker_args, "--model", m] for m in models for _ in range(workers)]
@@ -224,7 +226,8 @@ def start_fleet(host: str, port: int, workers: int, redis_url: str | None,
 def up(host: str, port: int, workers: int, redis_url: str | None, worker_args: list[str],
        threads: int | None, metrics_port_base: int = 9400, jobs: bool = False,
        policy: str = "reserve", gateway_args: list[str] | tuple[str, ...] = (),
-       models: list[str] | tuple[str, ...] = ()) -> int:
+       models: list[str] | tuple[str, ...] = (),
+       scheduler_args: list[str] | tuple[str, ...] = ()) -> int:
     """Run the fleet (`start_fleet`) until Ctrl-C / SIGTERM. Returns the exit status."""
     stopping = False
 
@@ -235,7 +238,8 @@ def up(host: str, port: int, workers: int, redis_url: str | None, worker_args: l
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     fleet = start_fleet(host, port, workers, redis_url, worker_args, threads, metrics_port_base,
-                        jobs, policy, gateway_args=gateway_args, models=models)
+                        jobs, policy, gateway_args=gateway_args, models=models,
+                        scheduler_args=scheduler_args)
     try:
         print(f"shoal fleet ready at {fleet.url} (redis {fleet.redis_url}, {workers} workers)",
               flush=True)

@@ -283,6 +283,8 @@ class RequestSubmission(Message):
         reply_to: pub/sub channel of the gateway waiting for its tokens.
         priority: lower is served first (as in vLLM); interactive requests 0, batch jobs 1.
             The scheduler ages waiting requests so none waits forever (scheduler/core.py).
+        trace_context: the W3C headers (`traceparent`, `tracestate`) of the gateway's span of
+            this request, when the gateway traces (shoal/tracing.py); else None.
     """
 
     TYPE: ClassVar[str] = "request_submission"
@@ -293,6 +295,7 @@ class RequestSubmission(Message):
     arrival_time: float
     reply_to: str
     priority: int = 0
+    trace_context: dict[str, str] | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RequestSubmission:

@@ -124,6 +124,23 @@ def test_bad_model_flags_fail_before_anything_starts(tmp_path, capsys):
         assert needle in capsys.readouterr().err, args
 
 
+def test_tracing_without_its_exporter_fails_before_anything_starts(monkeypatch, capsys):
+    """--otlp-traces-endpoint with an exporter that is not installed (OTLP over gRPC: shoal's
+    tracing extra brings the HTTP one) is a CLI error naming the extra, in every part that
+    takes it; nothing starts."""
+    import importlib.util
+
+    from shoal.cli import main
+
+    if importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc") is not None:
+        pytest.skip("the gRPC exporter is installed here")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
+    redis_args = ["--redis-url", "redis://127.0.0.1:1/0"]
+    for args in (["up"], ["gateway", *redis_args], ["scheduler", *redis_args]):
+        assert main([*args, "--otlp-traces-endpoint", "http://127.0.0.1:1"]) == 2, args
+        assert "pip install 'shoal[tracing]'" in capsys.readouterr().err, args
+
+
 def test_up_hands_the_engine_flags_to_its_workers(monkeypatch):
     """`shoal up` starts workers with the engine flags it was given (--enforce-eager among
     them: vLLM's name for serving without CUDA graphs)."""

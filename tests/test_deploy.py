@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import kubernetes_validate
@@ -235,8 +236,15 @@ def test_dockerfile_is_one_nonroot_image_with_a_real_healthcheck():
     assert exposed == set(PORTS.values())
     cmd = yaml.safe_load(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))
     _parse_shoal_command(cmd)
+    copied = set()
     for src in re.findall(r"^COPY (?!--from)(.*) \S+$", text, re.M):
         for item in src.split():
             assert (ROOT / item).exists(), item
+            copied.add(item)
+    # Every package the project installs is in the image (jobs/ was not: `shoal jobs worker`
+    # failed to import in the container).
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"]["find"]["include"]
+    assert {p.rstrip("*") for p in packages} <= copied
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", "tests"} <= set(ignored)
