@@ -170,8 +170,10 @@ def test_up_gives_the_served_names_to_gateway_and_workers(monkeypatch, tmp_path)
 
     seen = {}
 
-    def fake_up(host, port, workers, redis_url, worker_args, *rest):
-        seen["worker"], seen["gateway"], seen["models"] = worker_args, rest[-2], rest[-1]
+    def fake_up(host, port, workers, redis_url, worker_args, threads, metrics_port_base, jobs,
+                policy, gateway_args, models, scheduler_args):
+        seen["worker"], seen["gateway"], seen["models"] = worker_args, gateway_args, models
+        seen["scheduler"] = scheduler_args
         return 0
 
     monkeypatch.setattr(shoal.fleet, "up", fake_up)
@@ -190,6 +192,10 @@ def test_up_gives_the_served_names_to_gateway_and_workers(monkeypatch, tmp_path)
     assert main(["up", "--model", str(default_model_path()), "--model", str(other)]) == 0
     assert seen["models"] == [str(default_model_path()), str(other)]
     assert "--model" not in seen["worker"] and seen["gateway"] == []
+    # Tracing goes to the gateway and the scheduler.
+    assert main(["up", "--otlp-traces-endpoint", "http://collector:4318/v1/traces"]) == 0
+    assert seen["gateway"] == seen["scheduler"] == [
+        "--otlp-traces-endpoint", "http://collector:4318/v1/traces"]
 
 
 def test_engine_argv_gives_a_worker_the_same_engine():
