@@ -25,6 +25,7 @@ import redis
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Query, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
@@ -533,6 +534,9 @@ class GatewaySettings:
             per calendar minute, shared by every gateway through Redis; tokens count the prompt
             plus `max_tokens`. 0 means no limit.
         responses_ttl_s: seconds a stored Responses API response is kept.
+        allowed_origins, allowed_methods, allowed_headers, allow_credentials: CORS, for
+            browser apps on other origins (vLLM's defaults: any origin, method and header, no
+            credentials). Preflight requests are answered before the API key is checked.
     """
 
     api_keys: tuple[str, ...] = ()
@@ -545,6 +549,10 @@ class GatewaySettings:
     requests_per_minute: int = 0
     tokens_per_minute: int = 0
     responses_ttl_s: int = 86400
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
 
 def _key_ok(presented: str | None, keys: tuple[str, ...]) -> bool:
@@ -716,6 +724,11 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
     app.add_middleware(_Guard, settings=settings)
     if tracer is not None:
         app.add_middleware(_TraceContext)
+    # Outside the guard: a browser's preflight carries no API key.
+    app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
+                       allow_methods=settings.allowed_methods,
+                       allow_headers=settings.allowed_headers,
+                       allow_credentials=settings.allow_credentials)
     app.add_middleware(_CountRequests)  # outermost: counts the guard's refusals too
 
     @app.get("/metrics", responses={200: {"content": {"text/plain": {}}}, **error_responses(401)})

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
+import ssl
 import sys
 from collections.abc import Sequence
 
@@ -259,6 +261,20 @@ def build_parser() -> argparse.ArgumentParser:
                          "windows of tokens")
     gw.add_argument("--tokens-per-minute", type=int, default=0,
                     help="prompt + max_tokens per API key per minute (0 = no limit)")
+    for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
+                       ("--allowed-headers", "headers")):
+        gw.add_argument(flag, type=_json_strings, default=["*"], metavar="JSON",
+                        help=f"CORS: the {what} browsers may send requests with, a JSON list "
+                             "(vLLM's; default [\"*\"])")
+    gw.add_argument("--allow-credentials", action="store_true",
+                    help="CORS: browsers may send credentials (cookies) cross-origin")
+    gw.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key")
+    gw.add_argument("--ssl-certfile", default=None, help="... and this certificate (chain)")
+    gw.add_argument("--ssl-ca-certs", default=None,
+                    help="CA certificates to verify clients' certificates with")
+    gw.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE),
+                    help="whether a client certificate is required: 0 none (default), 1 "
+                         "optional, 2 required (Python's ssl.CERT_*)")
     gw.add_argument("--responses-ttl", type=_positive_int, default=86400,
                     help="seconds a stored Responses API response is kept in Redis (for GET "
                          "/v1/responses/{id} and previous_response_id)")
@@ -677,11 +693,53 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
                                tokens_per_minute=args.tokens_per_minute,
                                max_overflow_windows=args.max_overflow_windows,
                                tool_call_parser=_tool_call_parser(args),
-                               responses_ttl_s=args.responses_ttl)
+                               responses_ttl_s=args.responses_ttl,
+                               allowed_origins=tuple(args.allowed_origins),
+                               allowed_methods=tuple(args.allowed_methods),
+                               allowed_headers=tuple(args.allowed_headers),
+                               allow_credentials=args.allow_credentials)
+    tls = _tls(args)
     tracer = _tracer(args, "shoal-gateway")
     app = create_app(args.redis_url, models, args.prefix, settings, tracer)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", **tls)
     return 0
+
+
+def _json_strings(text: str) -> list[str]:
+    """A JSON list of strings (vLLM's form of its CORS flags)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError('expected a JSON list of strings, as ["*"]')
+    return value
+
+
+def _tls(args: argparse.Namespace) -> dict:
+    """uvicorn's TLS arguments from the gateway's --ssl-* flags, checked here: a key or
+    certificate that cannot be loaded is a CLI error, not a traceback at start-up.
+
+    Raises:
+        CLIError: one of the key and certificate without the other, or files that do not load.
+    """
+    if args.ssl_keyfile is None and args.ssl_certfile is None:
+        if args.ssl_ca_certs is not None:
+            raise CLIError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile")
+        return {}
+    if args.ssl_keyfile is None or args.ssl_certfile is None:
+        raise CLIError("--ssl-keyfile and --ssl-certfile go together")
+    if args.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
+        raise CLIError("--ssl-cert-reqs is 0, 1 or 2")
+    try:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        if args.ssl_ca_certs is not None:
+            context.load_verify_locations(args.ssl_ca_certs)
+    except (OSError, ssl.SSLError) as e:
+        raise CLIError(f"cannot load the TLS key and certificate: {e}") from e
+    return {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile,
+            "ssl_ca_certs": args.ssl_ca_certs, "ssl_cert_reqs": args.ssl_cert_reqs}
 
 
 def _served_models(paths: list[str] | None, names: list[str] | None,
@@ -811,8 +869,6 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    import json
-
     import httpx
 
     if args.wait:

@@ -124,6 +124,26 @@ def test_bad_model_flags_fail_before_anything_starts(tmp_path, capsys):
         assert needle in capsys.readouterr().err, args
 
 
+def test_bad_tls_and_cors_flags_fail_before_the_gateway_starts(tmp_path, capsys):
+    from shoal.cli import main
+
+    (tmp_path / "junk.pem").write_text("not a certificate")
+    gateway = ["gateway", "--redis-url", "redis://127.0.0.1:1/0"]
+    for args, needle in [
+        (["--ssl-keyfile", str(tmp_path / "junk.pem")], "go together"),
+        (["--ssl-keyfile", str(tmp_path / "junk.pem"), "--ssl-certfile",
+          str(tmp_path / "junk.pem")], "cannot load the TLS key and certificate"),
+        (["--ssl-ca-certs", str(tmp_path / "junk.pem")], "needs --ssl-keyfile"),
+        (["--allowed-origins", "https://a.example"], "not JSON"),
+        (["--allowed-headers", '{"a": 1}'], "JSON list of strings"),
+    ]:
+        try:
+            code = main([*gateway, *args])
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+        assert code == 2 and needle in capsys.readouterr().err, args
+
+
 def test_tracing_without_its_exporter_fails_before_anything_starts(monkeypatch, capsys):
     """--otlp-traces-endpoint with an exporter that is not installed (OTLP over gRPC: shoal's
     tracing extra brings the HTTP one) is a CLI error naming the extra, in every part that

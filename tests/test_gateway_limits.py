@@ -13,12 +13,14 @@ import shoal
 from tests.conftest import extra_gateway
 
 KEY = "sk-test-7f3a9c"
+APP_ORIGIN = "https://app.example"
 
 
 @pytest.fixture(scope="module")
 def guarded(fleet):
     with extra_gateway(fleet, "--api-key", KEY, "--max-waiting", "1",
-                       "--max-body-bytes", "20000") as url:
+                       "--max-body-bytes", "20000",
+                       "--allowed-origins", json.dumps([APP_ORIGIN])) as url:
         yield url
 
 
@@ -65,6 +67,81 @@ def test_anthropics_clients_send_the_key_as_x_api_key(guarded):
     r = httpx.post(guarded + "/v1/completions", headers={"x-api-key": KEY}, timeout=60,
                    json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200
+
+
+def test_browser_apps_on_allowed_origins_may_call_the_api(guarded):
+    """CORS with vLLM's --allowed-origins: a browser's preflight (which carries no API key) is
+    answered for an allowed origin and refused for another; responses, a 401 among them, let
+    the allowed origin's page read them."""
+    preflight = {"Origin": APP_ORIGIN, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    r = httpx.options(guarded + "/v1/chat/completions", headers=preflight, timeout=30)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == APP_ORIGIN
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    r = httpx.options(guarded + "/v1/chat/completions", timeout=30,
+                      headers={**preflight, "Origin": "https://elsewhere.example"})
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+    r = httpx.post(guarded + "/v1/chat/completions", json=body, timeout=60,
+                   headers={**AUTH, "Origin": APP_ORIGIN})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == APP_ORIGIN
+    r = httpx.post(guarded + "/v1/chat/completions", json=body, timeout=60,
+                   headers={"Origin": APP_ORIGIN})
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == APP_ORIGIN
+
+
+def test_the_gateway_serves_https(fleet, tmp_path):
+    """--ssl-keyfile and --ssl-certfile (vLLM's): the API over TLS, verified against the
+    certificate."""
+    import datetime
+    import ipaddress
+    import ssl
+    import subprocess
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    from shoal.fleet import free_port, shoal_command, stop_all
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .sign(key, hashes.SHA256()))
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    port = free_port()
+    proc = subprocess.Popen([*shoal_command(), "gateway", "--redis-url", fleet["redis"],
+                             "--port", str(port), "--ssl-keyfile", str(tmp_path / "key.pem"),
+                             "--ssl-certfile", str(tmp_path / "cert.pem")])
+    try:
+        with httpx.Client(base_url=f"https://127.0.0.1:{port}",
+                          verify=ssl.create_default_context(cafile=tmp_path / "cert.pem"),
+                          timeout=60) as client:
+            deadline = time.monotonic() + 120
+            while True:
+                assert proc.poll() is None and time.monotonic() < deadline, "no HTTPS gateway"
+                try:
+                    if client.get("/readyz").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.2)
+            r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2,
+                                                     "temperature": 0})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        with pytest.raises(httpx.ConnectError):  # a client that does not trust the certificate
+            httpx.get(f"https://127.0.0.1:{port}/healthz", timeout=10)
+    finally:
+        stop_all([proc])
 
 
 def test_websocket_checks_the_key_before_accepting(guarded):
