@@ -46,6 +46,7 @@ from gateway.schemas import (
     GENERATION_RESPONSES,
     RESPONSES_RESPONSES,
     APIError,
+    BatchChatRequest,
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -899,13 +900,14 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         return {**base, "choices": [choice(i, p, c) for i, (p, c) in enumerate(zip(ps, done))],
                 "usage": _usage(prompts, *(c.last for c in done))}
 
-    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
-    async def chat(req: ChatRequest, request: Request):
-        p = gw.prepare_chat(req)
-        ps = gw.choices([p], req.n)
+    async def chat_reply(req: ChatRequest, rid: str, prompts: list[Prepared], request: Request):
+        """The reply to chat `prompts` (one conversation, with `req.n` choices; or a batch of
+        conversations, one choice each), streamed or whole, with the id `rid`."""
+        p = prompts[0]
+        ps = gw.choices(prompts, req.n)
         await admit(ps, _presented_key(request.headers))
         created = int(time.time())
-        base = {"id": p.request_id, "object": "chat.completion.chunk", "created": created,
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": p.model.name}
 
         def logprobs(ids: list[int], lps: list, tops: list | None) -> dict | None:
@@ -934,7 +936,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                 return {"index": i, "delta": delta,
                         "logprobs": logprobs(ev.token_ids, ev.logprobs, ev.top_logprobs),
                         "finish_reason": reason}
-            return EventStream(_chunks([p], ps, base, req, chunk, first=lambda i: {
+            return EventStream(_chunks(prompts, ps, base, req, chunk, first=lambda i: {
                 **base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                      "finish_reason": None}]}))
         done = await _collect(ps)
@@ -954,7 +956,18 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                            if req.prompt_logprobs is not None else {})
         return {**base, "object": "chat.completion",
                 "choices": [choice(i, c) for i, c in enumerate(done)], **prompt_logprobs,
-                "usage": _usage([p], *(c.last for c in done))}
+                "usage": _usage(prompts, *(c.last for c in done))}
+
+    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
+    async def chat(req: ChatRequest, request: Request):
+        p = gw.prepare_chat(req)
+        return await chat_reply(req, p.request_id, [p], request)
+
+    @app.post("/v1/chat/completions/batch", responses=error_responses(400, 401, 404, 429, 503))
+    async def chat_batch(req: BatchChatRequest, request: Request):
+        """vLLM's: several conversations in one request, choice k answering conversation k."""
+        rid, prompts = gw.prepare_chat_batch(req)
+        return await chat_reply(req, rid, prompts, request)
 
     store = ResponseStore(lambda: gw.redis, gw.keys, settings.responses_ttl_s)
 

@@ -16,6 +16,7 @@ from gateway.models import ModelCatalog, ServedModel
 from gateway.schemas import (
     MAX_REQUESTS,
     APIError,
+    BatchChatRequest,
     ChatRequest,
     CompletionRequest,
     GenerationRequest,
@@ -174,6 +175,17 @@ class RequestPreparation:
                               constraint=tools.constraint if tools else None)
         return replace(_prepared(model, f"chatcmpl-{uuid.uuid4().hex}", ids, params, req),
                        tools=tools)
+
+    def prepare_chat_batch(self, req: BatchChatRequest) -> tuple[str, list[Prepared]]:
+        """The batch's id and one request per conversation, in order, with ids `<id>-<k>`.
+
+        Raises:
+            APIError: what `prepare_chat` refuses of any conversation.
+        """
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        return rid, [replace(self.prepare_chat(req.model_copy(update={"messages": messages})),
+                             request_id=f"{rid}-{k}")
+                     for k, messages in enumerate(req.messages)]
 
     @staticmethod
     def choices(prompts: list[Prepared], n: int) -> list[Prepared]:

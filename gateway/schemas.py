@@ -409,6 +409,20 @@ class ChatRequest(GenerationRequest):
         default=None, description="more variables for the chat template (vLLM's)")
 
 
+class BatchChatRequest(ChatRequest):
+    """vLLM's `POST /v1/chat/completions/batch`: chat's fields, with `messages` a list of
+    conversations, each answered by one choice (index k for conversation k). Not streamed, no
+    tools, one choice per conversation."""
+
+    messages: list[Annotated[list[ChatMessage], Field(min_length=1)]] = Field(
+        min_length=1, max_length=MAX_PROMPTS, description="the conversations")
+    stream: Annotated[bool, unsupported((False,), "stream in a batch")] = False
+    n: Annotated[int, unsupported((1,), "n above 1 in a batch")] = 1
+    tools: Annotated[list[Tool] | None, unsupported((None,), "tools in a batch")] = None
+    prompt_logprobs: Annotated[int | None, unsupported((None,), "prompt_logprobs in a batch")] \
+        = None
+
+
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(strict=True)
 

@@ -649,6 +649,36 @@ def test_a_batch_of_prompts_gets_its_choices_in_order(fleet, oracle, tokenizer):
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
 
 
+def test_a_chat_batch_answers_each_conversation_as_chat_does(fleet, oracle, tokenizer):
+    """vLLM's /v1/chat/completions/batch: choice k is conversation k's greedy reply, with its
+    logprobs; usage counts every conversation's prompt."""
+    conversations = [[{"role": "user", "content": "What is two plus two?"}],
+                     [{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": "Name a colour."}],
+                     [{"role": "user", "content": "Say hello."}]]
+    ids = [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
+           for c in conversations]
+    expected = [oracle(i, 8) for i in ids]
+    r = httpx.post(fleet["url"] + "/v1/chat/completions/batch", timeout=60, json={
+        "messages": conversations, "max_tokens": 8, "temperature": 0, "logprobs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    for choice, tokens in zip(body["choices"], expected):
+        assert choice["message"]["content"] == tokenizer.decode(tokens, skip_special_tokens=True)
+        assert len(choice["logprobs"]["content"]) == len(tokens)
+    assert body["usage"]["prompt_tokens"] == sum(map(len, ids))
+    assert body["usage"]["completion_tokens"] == sum(map(len, expected))
+    for bad, param in (({"stream": True}, "stream"), ({"n": 2}, "n"),
+                       ({"messages": [[]]}, "messages.0"), ({"messages": []}, "messages"),
+                       ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")):
+        r = httpx.post(fleet["url"] + "/v1/chat/completions/batch", timeout=30,
+                       json={"messages": conversations, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+
+
 def _http_chunks(url: str, path: str, body: dict) -> list[bytes]:
     """The payloads of a chunked HTTP/1.1 response, one per chunk as the server framed it (one
     per write of the gateway), read off a raw socket."""
