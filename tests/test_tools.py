@@ -215,7 +215,7 @@ def auto_gateway(fleet):
 def test_auto_reads_the_calls_the_model_chose_to_make(fleet, auto_gateway):
     """With the parser, "auto" (the default with tools) gives the model's own reply: a call
     when it wrote one (finish_reason "tool_calls", no content), streamed or not, through
-    chat and the Responses API; its answer when it did not, the same reply chat gives
+    chat, the Responses API and Anthropic's Messages API; its answer when it did not, the same reply chat gives
     without tools (SmolLM2's template shows no tools)."""
     from openai import OpenAI
 
@@ -245,6 +245,20 @@ def test_auto_reads_the_calls_the_model_chose_to_make(fleet, auto_gateway):
         temperature=0)
     (item,) = response.output
     assert item.type == "function_call" and json.loads(item.arguments) == {"city": "Paris"}
+
+    from anthropic import Anthropic
+
+    anthropic = Anthropic(base_url=auto_gateway, api_key="none", max_retries=0)
+    ask = {"model": "SmolLM2-135M-Instruct", "system": asked[0]["content"], "messages": asked[1:],
+           "max_tokens": 40, "extra_body": {"temperature": 0},
+           "tools": [{"name": "get_weather", "input_schema": tools[0]["function"]["parameters"]}]}
+    message = anthropic.messages.create(**ask)
+    (block,) = message.content
+    assert block.type == "tool_use" and block.name == "get_weather"
+    assert block.input == {"city": "Paris"} and message.stop_reason == "tool_use"
+    with anthropic.messages.stream(**ask) as stream:  # the SDK joins the input_json_deltas
+        streamed_message = stream.get_final_message()
+    assert [(b.type, b.input) for b in streamed_message.content] == [("tool_use", block.input)]
 
     plain = [{"role": "user", "content": "Name three colors."}]
     answer = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=plain,
