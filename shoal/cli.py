@@ -118,10 +118,13 @@ def _tool_call_parser(args: argparse.Namespace) -> str | None:
 
 
 def _add_tracing_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+    # OpenTelemetry's own variable is the default, so that a deployment turns tracing on in
+    # every part by setting it in their environment.
+    p.add_argument("--otlp-traces-endpoint", metavar="URL",
+                   default=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None,
                    help="send OpenTelemetry traces of requests to this OTLP collector, as "
                         "vLLM's (http/protobuf, or grpc with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL; "
-                        "needs shoal[tracing])")
+                        "needs shoal[tracing]; default $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
 
 
 def _tracer(args: argparse.Namespace, service: str):

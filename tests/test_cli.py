@@ -159,6 +159,10 @@ def test_tracing_without_its_exporter_fails_before_anything_starts(monkeypatch, 
     for args in (["up"], ["gateway", *redis_args], ["scheduler", *redis_args]):
         assert main([*args, "--otlp-traces-endpoint", "http://127.0.0.1:1"]) == 2, args
         assert "pip install 'shoal[tracing]'" in capsys.readouterr().err, args
+    # OpenTelemetry's variable turns tracing on without the flag.
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:1")
+    assert main(["scheduler", *redis_args]) == 2
+    assert "pip install 'shoal[tracing]'" in capsys.readouterr().err
 
 
 def test_up_hands_the_engine_flags_to_its_workers(monkeypatch):
