@@ -36,7 +36,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import shoal
 from gateway import anthropic, metrics
-from gateway.jobs import jobs_router
+from gateway.batches import batches_router
+from gateway.jobs import Jobs, jobs_router
 from gateway.models import ModelCatalog, ServedModel
 from gateway.pages import pages_router
 from gateway.prepare import Prepared, RequestPreparation
@@ -684,10 +685,10 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
     app.state.gateway = gw
 
     app.include_router(pages_router(gw.fleet, FleetStatus, error_responses))
-    app.include_router(jobs_router(redis_url, prefix,
-                                   {"completions": CompletionRequest, "chat": ChatRequest,
-                                    "responses": ResponsesRequest},
-                                   APIError, error_responses))
+    jobs = Jobs(redis_url, prefix, {"completions": CompletionRequest, "chat": ChatRequest,
+                                    "responses": ResponsesRequest}, APIError)
+    app.include_router(jobs_router(jobs, error_responses))
+    app.include_router(batches_router(jobs, error_responses))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):

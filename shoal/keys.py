@@ -27,6 +27,8 @@ class Keys:
         progress(id): list of a request's generated token ids, for a scheduler taking over.
         jobs, jobs_open, job(id), job_requests(id), job_results(id): batch jobs
             (shoal/jobs.py).
+        files, file(id), batches, batch(id): OpenAI's Files and Batch APIs over batch jobs
+            (gateway/batches.py).
         response(id): string with a TTL, a stored Responses API response and the input items
             it answered (JSON; gateway/responses.py `ResponseStore`).
     """
@@ -77,6 +79,20 @@ class Keys:
 
     def progress(self, request_id: str) -> str:
         return f"{self.prefix}:progress:{request_id}"
+
+    @property
+    def files(self) -> str:
+        return f"{self.prefix}:files"
+
+    def file(self, file_id: str) -> str:
+        return f"{self.prefix}:file:{file_id}"
+
+    @property
+    def batches(self) -> str:
+        return f"{self.prefix}:batches"
+
+    def batch(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}"
 
     def response(self, response_id: str) -> str:
         return f"{self.prefix}:response:{response_id}"

@@ -136,6 +136,84 @@ def test_job_results_equal_the_fleets_greedy_outputs_in_input_order(jobs_fleet, 
             assert result["response"]["body"]["usage"]["completion_tokens"] == 6
 
 
+def test_openais_batch_api_runs_a_file_of_requests_as_a_job(jobs_fleet, celery_worker,
+                                                            tmp_path):
+    """OpenAI's client, unchanged: a JSONL file uploaded, a batch made of it and run by the
+    Celery worker, its output file holding each request's greedy reply in input order and its
+    error file the request the fleet refused; the input file deleted, the batch stays."""
+    import openai
+
+    client = openai.OpenAI(base_url=jobs_fleet["url"] + "/v1", api_key="none")
+    lines = [{"custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": p}], "max_tokens": 6,
+                       "temperature": 0}} for i, p in enumerate(_prompts(4))]
+    lines.insert(2, {**lines[0], "custom_id": "unknown-model",
+                     "body": {**lines[0]["body"], "model": "no-such-model"}})
+    path = tmp_path / "batch.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    uploaded = client.files.create(file=path.open("rb"), purpose="batch")
+    assert uploaded.purpose == "batch" and uploaded.bytes == path.stat().st_size
+    assert client.files.content(uploaded.id).content == path.read_bytes()
+    assert uploaded.id in [f.id for f in client.files.list().data]
+
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"run": "test"})
+    assert batch.status == "in_progress" and batch.request_counts.total == 5
+    assert batch.metadata == {"run": "test"} and batch.input_file_id == uploaded.id
+    deadline = time.monotonic() + 240
+    while (batch := client.batches.retrieve(batch.id)).status != "completed":
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (4, 1)
+    assert batch.completed_at >= batch.created_at
+    assert client.batches.list().data[0].id == batch.id
+
+    output = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    assert [o["custom_id"] for o in output] == ["b0", "b1", "b2", "b3"]
+    for o in output:
+        direct = httpx.post(f"{jobs_fleet['url']}/v1/chat/completions", timeout=60,
+                            json=next(x["body"] for x in lines if x["custom_id"] == o["custom_id"]))
+        assert o["response"]["body"]["choices"][0]["message"]["content"] == \
+            direct.json()["choices"][0]["message"]["content"]
+    (refused,) = [json.loads(x) for x in
+                  client.files.content(batch.error_file_id).text.splitlines()]
+    assert refused["custom_id"] == "unknown-model" and refused["error"]["code"] == "rejected"
+    assert refused["response"]["status_code"] == 404
+    assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
+
+    client.files.delete(uploaded.id)
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploaded.id)
+    assert client.batches.retrieve(batch.id).status == "completed"
+    assert client.batches.cancel(batch.id).status == "completed"  # a finished batch stays so
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                              completion_window="24h")
+    other = client.files.create(file=path.open("rb"), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="endpoint"):
+        client.batches.create(input_file_id=other.id, endpoint="/v1/completions",
+                              completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        client.files.create(file=path.open("rb"), purpose="fine-tune")
+
+    # Cancelled: cancelling while its running requests end, then cancelled, the requests that
+    # never ran in the error file.
+    path.write_text("".join(json.dumps({**lines[0], "custom_id": f"c{i}", "body": {
+        **lines[0]["body"], "max_tokens": 32, "ignore_eos": True}}) + "\n" for i in range(12)))
+    batch = client.batches.create(input_file_id=client.files.create(
+        file=path.open("rb"), purpose="batch").id, endpoint="/v1/chat/completions",
+        completion_window="24h")
+    assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    deadline = time.monotonic() + 120
+    while (batch := client.batches.retrieve(batch.id)).status != "cancelled":
+        assert batch.status == "cancelling" and time.monotonic() < deadline, batch
+        time.sleep(0.2)
+    cancelled = [json.loads(x)["error"]["code"] for x in
+                 client.files.content(batch.error_file_id).text.splitlines()]
+    assert cancelled and set(cancelled) == {"cancelled"}
+    assert batch.request_counts.completed + len(cancelled) == 12
+
+
 def test_bad_jobs_are_refused_with_a_clear_error(jobs_fleet):
     url = f"{jobs_fleet['url']}/v1/jobs"
     for body, needle in [("not json", "neither"),

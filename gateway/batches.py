@@ -1,0 +1,252 @@
+"""OpenAI's Files and Batch APIs over shoal's batch jobs, so that OpenAI's clients run batches
+unchanged: `POST /v1/files` (purpose "batch") keeps a JSONL file in Redis, and
+`POST /v1/batches` makes a job of its lines (gateway/jobs.py), which the Celery workers run as
+any job, behind interactive requests. A batch's status, counts and files are read from its job.
+
+- A batch is its job: batch `batch_<hex>` is job `job-<hex>`; `{p}:batch:{id}` keeps what the
+  Batch API adds (the input file, the endpoint, the completion window, the metadata).
+- Its output and error files are its job's result lines without and with an `error`, under
+  the ids `file-<hex>-output` and `file-<hex>-errors`: made when read, never stored twice.
+- Files and batches are kept `FILES_TTL_S` (30 days, as OpenAI keeps batch output files);
+  deleting an input file does not stop a batch made from it. Uploads are bounded by the
+  gateway's `--max-body-bytes`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, File, Form, Query, UploadFile
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.jobs import Jobs
+from shoal.jobs import ENDPOINTS
+
+FILES_TTL_S = 30 * 86400
+COMPLETION_WINDOW = "24h"  # the only one OpenAI offers; the fleet runs a batch as it can
+
+
+class BatchRequest(BaseModel):
+    """`POST /v1/batches`."""
+
+    model_config = ConfigDict(strict=True)
+
+    input_file_id: str
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
+    completion_window: Literal["24h"]
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+
+
+def _hex(object_id: str, prefix: str) -> str | None:
+    return object_id[len(prefix):] if object_id.startswith(prefix) else None
+
+
+def batches_router(jobs: Jobs, errors: Callable[..., dict]) -> APIRouter:
+    """The Files and Batch API routes over `jobs`; `errors` gives the OpenAPI `responses` of a
+    list of error statuses."""
+    router = APIRouter()
+    error = jobs.error
+
+    def r():  # the fleet's Redis (synchronous: every call below runs in a thread)
+        return jobs.store.r
+
+    def keys():
+        return jobs.store.keys
+
+    # -- files ----------------------------------------------------------------------------------
+
+    def file_object(file_id: str, size: int, created_at: float, filename: str,
+                    purpose: str) -> dict[str, Any]:
+        return {"id": file_id, "object": "file", "bytes": size, "created_at": int(created_at),
+                "expires_at": int(created_at + FILES_TTL_S), "filename": filename,
+                "purpose": purpose, "status": "processed"}
+
+    def uploaded(file_id: str) -> tuple[dict[str, Any], bytes] | None:
+        h = r().hgetall(keys().file(file_id))
+        if not h:
+            return None
+        data = h[b"data"]
+        return file_object(file_id, len(data), float(h[b"created_at"]),
+                           h[b"filename"].decode(), h[b"purpose"].decode()), data
+
+    def batch_file(file_id: str) -> tuple[dict[str, Any], bytes] | None:
+        """A batch's output or error file, made from its job's results."""
+        hex_ = _hex(file_id, "file-") or ""
+        for suffix, errored in (("-output", False), ("-errors", True)):
+            if not hex_.endswith(suffix):
+                continue
+            batch_hex = hex_.removesuffix(suffix)
+            status = jobs.store.status("job-" + batch_hex)
+            if status is None:
+                return None
+            lines = [line for line in jobs.store.results("job-" + batch_hex)
+                     if (json.loads(line)["error"] is not None) == errored]
+            data = "".join(f"{line}\n" for line in lines).encode()
+            return file_object(file_id, len(data), status["created_at"],
+                               f"batch_{batch_hex}{suffix}.jsonl", "batch_output"), data
+        return None
+
+    def find_file(file_id: str) -> tuple[dict[str, Any], bytes]:
+        found = uploaded(file_id) or batch_file(file_id)
+        if found is None:
+            raise error(f"no file {file_id!r}", status=404, param="file_id",
+                        kind="not_found_error")
+        return found
+
+    @router.post("/v1/files", responses=errors(400, 401))
+    async def upload(file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]):
+        """A file for a batch (`purpose` "batch"): JSONL of requests in OpenAI's batch form."""
+        if purpose != "batch":
+            raise error('purpose must be "batch" (files are kept for batches only)',
+                        param="purpose")
+        data = await file.read()
+        file_id, now = f"file-{uuid.uuid4().hex}", time.time()
+
+        def keep() -> None:
+            pipe = r().pipeline(transaction=True)
+            pipe.hset(keys().file(file_id), mapping={
+                "data": data, "filename": file.filename or "upload.jsonl", "purpose": purpose,
+                "created_at": now})
+            pipe.expire(keys().file(file_id), FILES_TTL_S)
+            pipe.zadd(keys().files, {file_id: now})
+            pipe.execute()
+        await asyncio.to_thread(keep)
+        return file_object(file_id, len(data), now, file.filename or "upload.jsonl", purpose)
+
+    @router.get("/v1/files", responses=errors(401))
+    async def list_files():
+        """The uploaded files still kept, oldest first."""
+        def kept() -> list[dict[str, Any]]:
+            ids = [m.decode() for m in r().zrange(keys().files, 0, -1)]
+            found = [uploaded(i) for i in ids]
+            gone = [i for i, f in zip(ids, found) if f is None]  # expired
+            if gone:
+                r().zrem(keys().files, *gone)
+            return [f[0] for f in found if f is not None]
+        return {"object": "list", "data": await asyncio.to_thread(kept), "has_more": False}
+
+    @router.get("/v1/files/{file_id}", responses=errors(401, 404))
+    async def get_file(file_id: str):
+        return (await asyncio.to_thread(find_file, file_id))[0]
+
+    @router.get("/v1/files/{file_id}/content", responses={
+        200: {"content": {"application/octet-stream": {}}}, **errors(401, 404)})
+    async def file_content(file_id: str):
+        data = (await asyncio.to_thread(find_file, file_id))[1]
+        return Response(data, media_type="application/octet-stream")
+
+    @router.delete("/v1/files/{file_id}", responses=errors(401, 404))
+    async def delete_file(file_id: str):
+        def delete() -> bool:
+            pipe = r().pipeline(transaction=True)
+            pipe.delete(keys().file(file_id))
+            pipe.zrem(keys().files, file_id)
+            return bool(pipe.execute()[0])
+        if not await asyncio.to_thread(delete):
+            raise error(f"no uploaded file {file_id!r}", status=404, param="file_id",
+                        kind="not_found_error")
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    # -- batches --------------------------------------------------------------------------------
+
+    def batch_object(batch_id: str) -> dict[str, Any] | None:
+        """The batch, with its status and counts read from its job."""
+        hex_ = _hex(batch_id, "batch_")
+        h = r().hgetall(keys().batch(batch_id)) if hex_ else {}
+        job = jobs.store.status("job-" + hex_) if h else None
+        if job is None:
+            return None
+        counts = job["request_counts"]
+        done = counts["completed"] + counts["failed"] + counts["cancelled"] == counts["total"]
+        status = {"queued": "in_progress", "running": "in_progress", "completed": "completed",
+                  "failed": "completed"}.get(job["status"],
+                                             "cancelled" if done else "cancelling")
+        ended = status in ("completed", "cancelled")
+        created = int(job["created_at"])
+
+        def stamp(key: str, when: bool) -> int | None:
+            return int(job[key]) if when and job[key] is not None else None
+        return {
+            "id": batch_id, "object": "batch", "endpoint": h[b"endpoint"].decode(),
+            "errors": None, "input_file_id": h[b"input_file_id"].decode(),
+            "completion_window": COMPLETION_WINDOW, "status": status,
+            "output_file_id": f"file-{hex_}-output" if ended and counts["completed"] else None,
+            "error_file_id": f"file-{hex_}-errors"
+            if ended and counts["failed"] + counts["cancelled"] else None,
+            "created_at": created, "in_progress_at": created,
+            "expires_at": created + 86400, "finalizing_at": stamp("finished_at", ended),
+            "completed_at": stamp("finished_at", status == "completed"),
+            "failed_at": None, "expired_at": None,
+            "cancelling_at": stamp("cancelled_at", True),
+            "cancelled_at": stamp("finished_at", status == "cancelled"),
+            "request_counts": {"total": counts["total"], "completed": counts["completed"],
+                               "failed": counts["failed"]},
+            "metadata": json.loads(h[b"metadata"]) if h.get(b"metadata") else None,
+        }
+
+    def known(batch_id: str) -> dict[str, Any]:
+        batch = batch_object(batch_id)
+        if batch is None:
+            raise error(f"no batch {batch_id!r}", status=404, param="batch_id",
+                        kind="not_found_error")
+        return batch
+
+    @router.post("/v1/batches", responses=errors(400, 401, 404))
+    async def create(req: BatchRequest):
+        """A batch of the input file's requests, each of them for `endpoint`."""
+        _, data = await asyncio.to_thread(find_file, req.input_file_id)
+        items = jobs.parse(data.decode("utf-8", errors="replace"))
+        wrong = [i["custom_id"] for i in items if i["endpoint"] != ENDPOINTS[req.endpoint]]
+        if wrong:
+            raise error(f"every request of a batch is for its endpoint {req.endpoint}: "
+                        f"{wrong[0]!r} is not", param="endpoint")
+
+        def make() -> str:
+            job_id = jobs.create(items)
+            batch_id = "batch_" + job_id.removeprefix("job-")
+            pipe = r().pipeline(transaction=True)
+            pipe.hset(keys().batch(batch_id), mapping={
+                "input_file_id": req.input_file_id, "endpoint": req.endpoint,
+                "metadata": json.dumps(req.metadata) if req.metadata is not None else ""})
+            pipe.expire(keys().batch(batch_id), FILES_TTL_S)
+            pipe.zadd(keys().batches, {batch_id: time.time()})
+            pipe.execute()
+            return batch_id
+        batch_id = await asyncio.to_thread(make)
+        return await asyncio.to_thread(known, batch_id)
+
+    @router.get("/v1/batches", responses=errors(400, 401))
+    async def list_batches(after: str | None = None,
+                           limit: Annotated[int, Query(ge=1, le=100)] = 20):
+        """The batches, newest first, `limit` at a time after the batch `after`."""
+        def page() -> dict[str, Any]:
+            ids = [m.decode() for m in r().zrevrange(keys().batches, 0, -1)]
+            if after is not None:
+                ids = ids[ids.index(after) + 1:] if after in ids else []
+            found = [b for b in (batch_object(i) for i in ids[:limit]) if b is not None]
+            return {"object": "list", "data": found,
+                    "first_id": found[0]["id"] if found else None,
+                    "last_id": found[-1]["id"] if found else None, "has_more": len(ids) > limit}
+        return await asyncio.to_thread(page)
+
+    @router.get("/v1/batches/{batch_id}", responses=errors(401, 404))
+    async def get_batch(batch_id: str):
+        return await asyncio.to_thread(known, batch_id)
+
+    @router.post("/v1/batches/{batch_id}/cancel", responses=errors(401, 404))
+    async def cancel(batch_id: str):
+        """Requests not yet started will not run; the batch is cancelled once the running
+        ones end."""
+        def stop() -> dict[str, Any]:
+            known(batch_id)
+            jobs.store.cancel("job-" + batch_id.removeprefix("batch_"))
+            return known(batch_id)
+        return await asyncio.to_thread(stop)
+
+    return router
