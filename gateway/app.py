@@ -759,10 +759,20 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         return JSONResponse({"status": "ok" if ok else "unavailable", "detail": why},
                             status_code=200 if ok else 503)
 
+    def model_card(name: str) -> dict[str, Any]:
+        """A model as vLLM lists it: OpenAI's fields, its file (`root`) and context window."""
+        model = gw.catalog.get(name)
+        return {"id": name, "object": "model", "created": 0, "owned_by": "shoal",
+                "root": str(model.path), "parent": None, "max_model_len": model.max_model_len}
+
     @app.get("/v1/models", responses=error_responses(401))
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
-                                            "owned_by": "shoal"} for name in gw.catalog.names]}
+        return {"object": "list", "data": [model_card(name) for name in gw.catalog.names]}
+
+    @app.get("/v1/models/{model:path}", responses=error_responses(401, 404))
+    async def model(model: str):
+        """OpenAI's: one model by name (a name may hold slashes)."""
+        return model_card(model)
 
     @app.post("/tokenize", responses=error_responses(400, 401, 404))
     async def tokenize(req: TokenizeRequest):

@@ -525,7 +525,16 @@ def test_completions_default_to_16_tokens_as_openai(fleet):
 def test_models_health_and_readiness(fleet):
     assert httpx.get(fleet["url"] + "/healthz").json()["status"] == "ok"
     assert httpx.get(fleet["url"] + "/readyz").status_code == 200
-    assert httpx.get(fleet["url"] + "/v1/models").json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
+    (card,) = httpx.get(fleet["url"] + "/v1/models").json()["data"]
+    assert card["id"] == "SmolLM2-135M-Instruct" and card["object"] == "model"
+    assert card["max_model_len"] == 8192 and card["root"].endswith(".gguf")
+    from openai import NotFoundError, OpenAI
+
+    client = OpenAI(base_url=fleet["url"] + "/v1", api_key="none")
+    retrieved = client.models.retrieve("SmolLM2-135M-Instruct").model_dump()
+    assert {k: retrieved[k] for k in card} == card
+    with pytest.raises(NotFoundError):
+        client.models.retrieve("no/such-model")
 
 
 def test_shoal_up_serves_and_stops_cleanly():
