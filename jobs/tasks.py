@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from typing import Any
 
 import httpx
 import redis
 from celery.signals import worker_ready
 
+from jobs import metrics
+from shoal import metrics as shoal_metrics
 from shoal.jobs import (
     JOB_PRIORITY,
     PATHS,
@@ -119,12 +122,25 @@ def run_job(job_id: str) -> int:
     return n
 
 
+def serve_metrics(port: int) -> None:
+    """Export this worker's metrics (jobs/metrics.py) on `port` (0: off); the number of open
+    jobs is read from Redis at each scrape (NaN while Redis does not answer)."""
+    def jobs_open() -> float:
+        try:
+            return float(_store().num_open())
+        except redis.RedisError:
+            return float("nan")
+    metrics.JOBS_OPEN.set_function(jobs_open)
+    shoal_metrics.serve_metrics(port)
+
+
 @worker_ready.connect
 def requeue_unfinished(**_: Any) -> None:
     """Queue again, as this worker starts, every request of a queued or running job that has no
     result: one whose task a killed worker took along would otherwise never run (shoal/jobs.py).
     Copies of requests whose tasks are still queued, or restored after the visibility timeout,
-    find the result recorded and return at once."""
+    find the result recorded and return at once; a copy that starts while its original runs
+    (a job sent as this worker started) runs too, and only one of the two is recorded."""
     for job_id, missing in _store().unfinished().items():
         for index in missing:
             run_job_request.apply_async((job_id, index))
@@ -132,31 +148,38 @@ def requeue_unfinished(**_: Any) -> None:
 
 @app.task(name=TASK_RUN_JOB_REQUEST, bind=True, max_retries=MAX_RETRIES)
 def run_job_request(self, job_id: str, index: int) -> str:
-    """Run request `index` of a job and record its output line; returns what happened."""
+    """Run request `index` of a job and record its output line; returns what happened
+    (`jobs.metrics.JOB_REQUESTS`' outcomes: a copy that ran while another recorded the same
+    request first is a duplicate too)."""
     store = _store()
     item = store.request(job_id, index)
     cid = item["custom_id"]
     line: dict[str, Any] = {"id": f"{job_id}-{index}", "custom_id": cid, "response": None,
                             "error": None}
     if store.has_result(job_id, cid):
-        return "duplicate"
-    if store.start(job_id) == "cancelled":
+        outcome = "duplicate"
+    elif store.start(job_id) == "cancelled":
         line["error"] = {"code": "cancelled", "message": "the job was cancelled first"}
-        store.record(job_id, cid, line, "cancelled")
-        return "cancelled"
-    try:
-        body = call_fleet(item["endpoint"], item["body"], JOB_PRIORITY)
-    except FleetUnavailable as e:
-        if self.request.retries < self.max_retries:
-            raise self.retry(exc=e, countdown=min(2 ** self.request.retries, 30)) from e
-        line["error"] = {"code": "fleet_unavailable", "message": str(e)}
-        store.record(job_id, cid, line, "failed")
-        return "failed"
-    except RequestRejected as e:
-        line["response"] = {"status_code": e.status, "body": e.body}
-        line["error"] = {"code": "rejected", "message": str(e)}
-        store.record(job_id, cid, line, "failed")
-        return "failed"
-    line["response"] = {"status_code": 200, "body": body}
-    store.record(job_id, cid, line, "completed")
-    return "completed"
+        outcome = "cancelled"
+    else:
+        t0 = time.perf_counter()
+        try:
+            body = call_fleet(item["endpoint"], item["body"], JOB_PRIORITY)
+        except FleetUnavailable as e:
+            if self.request.retries < self.max_retries:
+                metrics.JOB_REQUESTS.labels("retried").inc()
+                raise self.retry(exc=e, countdown=min(2 ** self.request.retries, 30)) from e
+            line["error"] = {"code": "fleet_unavailable", "message": str(e)}
+            outcome = "failed"
+        except RequestRejected as e:
+            line["response"] = {"status_code": e.status, "body": e.body}
+            line["error"] = {"code": "rejected", "message": str(e)}
+            outcome = "failed"
+        else:
+            metrics.JOB_REQUEST_SECONDS.observe(time.perf_counter() - t0)
+            line["response"] = {"status_code": 200, "body": body}
+            outcome = "completed"
+    if outcome != "duplicate" and not store.record(job_id, cid, line, outcome):
+        outcome = "duplicate"
+    metrics.JOB_REQUESTS.labels(outcome).inc()
+    return outcome

@@ -214,6 +214,10 @@ class JobStore:
         return self._cancel(keys=[self.keys.job(job_id), self.keys.jobs_open],
                             args=[time.time(), job_id]).decode()
 
+    def num_open(self) -> int:
+        """How many jobs are queued or running."""
+        return self.r.scard(self.keys.jobs_open)
+
     def unfinished(self) -> dict[str, list[int]]:
         """Every queued or running job's requests without a result yet (indexes), by job.
 

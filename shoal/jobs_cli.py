@@ -49,6 +49,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--concurrency", type=int, default=8,
                    help="requests a worker sends to the fleet at once (bounds a job's share)")
     w.add_argument("--api-key", default=os.environ.get("SHOAL_API_KEY"))
+    w.add_argument("--metrics-port", type=int, default=0,
+                   help="serve /metrics here (0 = off): requests run by outcome, their time "
+                        "through the fleet, jobs open")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,8 +134,9 @@ def _worker(args: argparse.Namespace) -> int:
     os.environ["SHOAL_GATEWAY_URL"] = args.gateway_url
     if args.api_key:
         os.environ["SHOAL_API_KEY"] = args.api_key
-    from jobs.tasks import app  # reads the environment above
+    from jobs.tasks import app, serve_metrics  # reads the environment above
 
+    serve_metrics(args.metrics_port)
     app.worker_main(["worker", "--pool", "threads", "--concurrency", str(args.concurrency),
                      "--loglevel", "INFO", "--without-gossip", "--without-mingle",
                      "--hostname", f"shoal-jobs-{os.getpid()}@%h"])

@@ -34,7 +34,8 @@ def _defaults(*argv: str) -> dict:
 
 GATEWAY_PORT = _defaults("gateway", "--redis-url", "redis://x")["port"]
 METRICS_BASE = _defaults("up")["metrics_port_base"]
-PORTS = {"gateway": GATEWAY_PORT, "scheduler": METRICS_BASE, "worker": METRICS_BASE + 1}
+PORTS = {"gateway": GATEWAY_PORT, "scheduler": METRICS_BASE, "worker": METRICS_BASE + 1,
+         "jobs": METRICS_BASE}  # a job worker's metrics, in a pod or container of its own
 
 
 def _parse_shoal_command(argv: list[str]) -> dict:
@@ -198,11 +199,11 @@ def test_compose_services_run_real_shoal_commands():
         if args["command"] == "gateway":
             assert args["port"] == GATEWAY_PORT and args["host"] == "0.0.0.0"
             assert f"{GATEWAY_PORT}:{GATEWAY_PORT}" in svc["ports"]
-        elif args["command"] == "jobs":
-            gateways = [n for n, s in shoal.items() if s["command"][0] == "gateway"]
-            assert args["gateway_url"] in {f"http://{g}:{GATEWAY_PORT}" for g in gateways}
         else:
             assert args["metrics_port"] == PORTS[args["command"]]
+        if args["command"] == "jobs":
+            gateways = [n for n, s in shoal.items() if s["command"][0] == "gateway"]
+            assert args["gateway_url"] in {f"http://{g}:{GATEWAY_PORT}" for g in gateways}
         assert svc["build"]["dockerfile"] == "deploy/docker/Dockerfile"
         assert (ROOT / "deploy" / svc["build"]["context"] / svc["build"]["dockerfile"]).is_file()
     assert len(seen["gateway"]) == 1 and len(seen["scheduler"]) == 2 and len(seen["worker"]) == 2

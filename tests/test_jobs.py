@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from shoal.fleet import shoal_command, stop_all
+from shoal.fleet import free_port, shoal_command, stop_all
 from tests.conftest import finished_requests, running_fleet
 
 VISIBILITY_TIMEOUT_S = 4  # a dead Celery worker's tasks come back this soon (production: 300)
@@ -33,13 +33,23 @@ class CeleryWorker:
 
     def __init__(self, fleet: dict, concurrency: int = 4) -> None:
         self.fleet, self.concurrency, self.proc = fleet, concurrency, None
+        self.metrics_port = free_port()
 
     def start(self) -> None:
         env = {**os.environ, "SHOAL_JOBS_VISIBILITY_TIMEOUT": str(VISIBILITY_TIMEOUT_S)}
         self.proc = subprocess.Popen(
             shoal_command("jobs", "worker", "--redis-url", self.fleet["redis"], "--gateway-url",
-                          self.fleet["url"], "--concurrency", str(self.concurrency)),
+                          self.fleet["url"], "--concurrency", str(self.concurrency),
+                          "--metrics-port", str(self.metrics_port)),
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def metrics(self) -> dict[str, float]:
+        """The worker's metric samples, by name and labels (`name{label=value}`)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
+        return {s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -134,6 +144,11 @@ def test_job_results_equal_the_fleets_greedy_outputs_in_input_order(jobs_fleet, 
             direct = httpx.post(f"{jobs_fleet['url']}/v1/completions", json=body, timeout=60).json()
             assert result["response"]["body"]["choices"][0]["text"] == direct["choices"][0]["text"]
             assert result["response"]["body"]["usage"]["completion_tokens"] == 6
+    seen = celery_worker.metrics()  # the job worker's own metrics
+    assert seen["shoal_job_requests_total{outcome=completed}"] == 20
+    # Copies the starting worker queued again (`requeue_unfinished`) may have run beside their
+    # originals: timed, but recorded once.
+    assert seen["shoal_job_request_seconds_count"] >= 20 and seen["shoal_jobs_open"] == 0
 
 
 def test_openais_batch_api_runs_a_file_of_requests_as_a_job(jobs_fleet, celery_worker,
