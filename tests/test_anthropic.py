@@ -157,6 +157,22 @@ def test_tool_use_is_made_as_chat_makes_it(fleet, client):
     assert [b.name for b in r.content] == ["get_weather"] and r.stop_reason == "tool_use"
 
 
+def test_output_config_format_makes_a_reply_of_the_schema(client):
+    """`output_config.format` (json_schema): the reply is JSON matching the schema, enforced
+    token by token as chat's response_format is."""
+    import jsonschema
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+              "properties": {"city": {"type": "string", "maxLength": 20},
+                             "country": {"type": "string", "maxLength": 20}}}
+    r = client.messages.create(
+        model=MODEL, max_tokens=60, **GREEDY,
+        messages=[{"role": "user", "content": "Name a big city and its country."}],
+        output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert r.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(r.content[0].text), schema)
+
+
 def test_count_tokens_counts_the_prompt_a_conversation_with_tools_makes(fleet, client):
     """A conversation with an earlier tool_use and its tool_result counts the tokens of the
     chat it becomes (an assistant message with tool_calls, a tool message), as /tokenize
