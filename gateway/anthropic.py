@@ -9,8 +9,9 @@ chat API's, `stop_sequences` its stop strings; the reply becomes a message of `t
 - A last message from the assistant is a prefill: the reply goes on from its text (chat's
   `continue_final_message`) and holds only what the model added.
 - Tool use is made as chat makes it (gateway/tools.py): `{"type": "tool"}` and `"any"` constrain
-  the reply; `"auto"` (the default with tools) needs the gateway's tool-call parser. Tool blocks
-  stream whole once the reply is complete.
+  the reply; `"auto"` (the default with tools) needs the gateway's tool-call parser. Streamed, a
+  forced tool's input comes piece by piece as it is generated; the blocks of other replies with
+  tools come whole once the reply is complete.
 - `usage` counts as Anthropic does: `input_tokens` are the prompt tokens computed, and
   `cache_read_input_tokens` those found in the prefix cache (their sum is the prompt).
 - Errors on these paths have Anthropic's body, `{"type": "error", "error": {"type",
@@ -403,15 +404,29 @@ class MessageShape:
                      count: Callable[[TokenEvent], dict[str, Any]]) -> AsyncIterator[ChunkGroup]:
         """The stream's events, grouped by token as `gateway.sse.EventStream` writes them, from
         `gateway.app.Gateway.run`'s (text, event) pairs; `count(last_event)` gives the usage.
-        In order: message_start; then the text block's start, a delta per piece and its stop,
-        or, when the reply may be tool calls, every block (start, its one delta, stop) once
-        the reply is complete; then message_delta (stop reason, output tokens) and
-        message_stop. A failure ends the stream with an `error` event."""
-        group = [{"type": "message_start", "message": self.body("", None, None)}]
-        streaming = self.tools is None  # the text block streams as it comes
-        if streaming:
-            group.append({"type": "content_block_start", "index": 0,
-                          "content_block": {"type": "text", "text": ""}})
+        In order: message_start; then a block that streams as the reply comes (its start, a
+        delta per piece, its stop): the text, or the call a `tool` tool_choice forces, its
+        input as JSON text piece by piece. A reply that may or may not hold calls (`any`,
+        `auto`) sends every block (start, one delta, stop) once it is complete. Then
+        message_delta (stop reason, output tokens) and message_stop. A failure ends the
+        stream with an `error` event."""
+        group: list[dict[str, Any]] = [{"type": "message_start",
+                                        "message": self.body("", None, None)}]
+        if self.tools is None:
+            block: dict[str, Any] | None = {"type": "text", "text": ""}
+            field = ("text_delta", "text")
+        elif self.tools.mode == "named":
+            block = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}",
+                     "name": self.tools.name, "input": {}}
+            field = ("input_json_delta", "partial_json")
+        else:
+            block = None
+        if block is not None:
+            group.append({"type": "content_block_start", "index": 0, "content_block": block})
+
+        def streamed(piece: str) -> list[dict[str, Any]]:
+            return [{"type": "content_block_delta", "index": 0,
+                     "delta": {"type": field[0], field[1]: piece}}] if piece else []
         text = ""
         async with contextlib.aclosing(run) as stream:  # leaving early cancels the request
             async for piece, ev in stream:
@@ -421,23 +436,22 @@ class MessageShape:
                     return
                 if ev.finish_reason is None:
                     text += piece
-                    if piece and streaming:
-                        group.append(_delta(0, piece))
+                    if block is not None:
+                        group += streamed(piece)
                     if group:
                         yield group, False
                         group = []
                     continue
                 done = self.body(text + piece, ev, count(ev))
-                if streaming:
-                    final = self.split(text + piece, ev)[0][len(text):]
-                    group += [_delta(0, final)] if final else []
+                if block is not None:  # the last piece, without the stop sequence
+                    group += streamed(self.split(text + piece, ev)[0][len(text):])
                     group.append({"type": "content_block_stop", "index": 0})
                 else:
-                    for k, block in enumerate(done["content"]):
+                    for k, whole in enumerate(done["content"]):
                         group += [{"type": "content_block_start", "index": k,
-                                   "content_block": {**block, "input": {}}
-                                   if block["type"] == "tool_use" else {**block, "text": ""}},
-                                  _delta(k, block), {"type": "content_block_stop", "index": k}]
+                                   "content_block": {**whole, "input": {}}
+                                   if whole["type"] == "tool_use" else {**whole, "text": ""}},
+                                  _delta(k, whole), {"type": "content_block_stop", "index": k}]
                 yield [*group, {"type": "message_delta",
                                 "delta": {"stop_reason": done["stop_reason"],
                                           "stop_sequence": done["stop_sequence"]},
@@ -446,13 +460,9 @@ class MessageShape:
                 return
 
 
-def _delta(index: int, content: str | dict[str, Any]) -> dict[str, Any]:
-    """A content_block_delta: text, or a whole block's text or input (as JSON text)."""
-    if isinstance(content, str):
-        delta = {"type": "text_delta", "text": content}
-    elif content["type"] == "text":
-        delta = {"type": "text_delta", "text": content["text"]}
-    else:
-        delta = {"type": "input_json_delta",
-                 "partial_json": json.dumps(content["input"], ensure_ascii=False)}
+def _delta(index: int, block: dict[str, Any]) -> dict[str, Any]:
+    """A content_block_delta carrying a whole block: its text, or its input as JSON text."""
+    delta = {"type": "text_delta", "text": block["text"]} if block["type"] == "text" else \
+        {"type": "input_json_delta", "partial_json": json.dumps(block["input"],
+                                                                ensure_ascii=False)}
     return {"type": "content_block_delta", "index": index, "delta": delta}

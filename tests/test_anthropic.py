@@ -127,8 +127,8 @@ def test_a_stop_sequence_ends_the_reply_and_is_named(client, oracle, tokenizer):
 
 def test_tool_use_is_made_as_chat_makes_it(fleet, client):
     """`tool_choice` naming a tool makes the reply a tool_use block with the input chat's named
-    call gives (the same constraint), stop_reason tool_use; streamed, the block comes whole
-    with its input as one input_json_delta; "any" calls one of the tools."""
+    call gives (the same constraint), stop_reason tool_use; streamed, its input comes as it is
+    generated, in input_json_deltas; "any" calls one of the tools."""
     question = "What is the weather like in Paris?"
     chat = httpx.post(fleet["url"] + "/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": question}], "temperature": 0,
@@ -146,11 +146,14 @@ def test_tool_use_is_made_as_chat_makes_it(fleet, client):
     assert block.id.startswith("toolu_") and r.stop_reason == "tool_use"
     assert block.input == json.loads(chat_call["function"]["arguments"])
     events = list(client.messages.create(**ask, stream=True))
+    deltas = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
     assert [e.type for e in events] == ["message_start", "content_block_start",
-                                        "content_block_delta", "content_block_stop",
-                                        "message_delta", "message_stop"]
+                                        *["content_block_delta"] * len(deltas),
+                                        "content_block_stop", "message_delta", "message_stop"]
+    assert len(deltas) > 1  # piece by piece
     assert events[1].content_block.type == "tool_use" and events[1].content_block.input == {}
-    assert json.loads(events[2].delta.partial_json) == block.input
+    assert events[1].content_block.name == "get_weather"
+    assert json.loads("".join(deltas)) == block.input
     assert events[-2].delta.stop_reason == "tool_use"
     r = client.messages.create(**{**ask, "tool_choice": {"type": "any",
                                                           "disable_parallel_tool_use": True}})
