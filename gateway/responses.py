@@ -270,6 +270,7 @@ class ResponseShape:
         self.req, self.model, self.tools = req, model, tools
         self.id = f"resp_{uuid.uuid4().hex}"
         self.item_id = f"msg_{uuid.uuid4().hex}"
+        self.call_item_id = f"fc_{uuid.uuid4().hex}"  # the one call a named tool_choice makes
         self.created_at = int(time.time())
 
     def body(self, text: str, last: TokenEvent | None, usage: dict[str, Any] | None
@@ -315,10 +316,11 @@ class ResponseShape:
         calls, content = self.tools.message(0, text) if self.tools else (None, text)
         if not calls:
             return [self.message(content or "", status)]
+        named = self.tools is not None and self.tools.mode == "named"
         return ([self.message(content, status)] if content else []) + [
-            {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": c["id"],
-             "name": c["function"]["name"], "arguments": c["function"]["arguments"],
-             "status": "completed"} for c in calls]
+            {"type": "function_call", "id": self.call_item_id if named else f"fc_{uuid.uuid4().hex}",
+             "call_id": c["id"], "name": c["function"]["name"],
+             "arguments": c["function"]["arguments"], "status": "completed"} for c in calls]
 
     def message(self, text: str, status: str) -> dict[str, Any]:
         """The output's one item: the assistant's message."""
@@ -338,10 +340,11 @@ class ResponseShape:
         from `gateway.app.Gateway.run`'s (text, event) pairs; `usage(last_event)` counts the
         tokens, and `done(response)` is awaited with the final response before its event is
         sent (it stores it). In order: created and in_progress; then the message's events as its text
-        comes (item and part added, a delta per piece, text, part and item done), or, when
-        the reply is function calls, each call's events once the reply is complete (item
-        added, its arguments, item done: a "required" reply is no call until its array
-        closes); then completed (or incomplete). A failure ends the stream with
+        comes (item and part added, a delta per piece, text, part and item done), or the
+        events of the call a named tool_choice forces as its arguments come (item added, a
+        delta per piece, arguments and item done), or, when the reply may or may not be calls
+        ("required", "auto"), each item's events once the reply is complete (a "required"
+        reply is no call until its array closes); then completed (or incomplete). A failure ends the stream with
         `response.failed`."""
         seq = itertools.count()
 
@@ -361,7 +364,8 @@ class ResponseShape:
 
         def closed(index: int, item: dict[str, Any], delta: str | None) -> list[dict[str, Any]]:
             """A finished item's last events: its text or arguments (with their last `delta`,
-            if any) and the item done."""
+            if any: the last piece of what streamed, or all of an item sent whole) and the item
+            done."""
             where = {"item_id": item["id"], "output_index": index}
             out = []
             if item["type"] == "message":
@@ -374,17 +378,26 @@ class ResponseShape:
                         event("response.content_part.done", **where, content_index=0,
                               part=item["content"][0])]
             else:
-                out += [event("response.function_call_arguments.delta", **where,
-                              delta=item["arguments"]),
-                        event("response.function_call_arguments.done", **where,
-                              name=item["name"], arguments=item["arguments"])]
+                if delta:
+                    out.append(event("response.function_call_arguments.delta", **where,
+                                     delta=delta))
+                out.append(event("response.function_call_arguments.done", **where,
+                                 name=item["name"], arguments=item["arguments"]))
             return [*out, event("response.output_item.done", output_index=index, item=item)]
 
         opening = self.body("", None, None)
         group = [event("response.created", response=opening),
                  event("response.in_progress", response=opening)]
-        if self.tools is None:  # the message streams as it comes
-            group += opened(0, self.message("", "in_progress"))
+        # What streams as it comes: the message, or the call a named tool_choice forces (its
+        # arguments piece by piece); replies that may or may not be calls come whole at the end.
+        streamed = None
+        if self.tools is None:
+            streamed = self.message("", "in_progress")
+        elif self.tools.mode == "named":
+            streamed = {"type": "function_call", "id": self.call_item_id,
+                        "call_id": self.tools.call_id(0), "name": self.tools.name}
+        if streamed is not None:
+            group += opened(0, streamed)
         text = ""
         async with contextlib.aclosing(run) as stream:  # leaving early cancels the request
             async for piece, ev in stream:
@@ -397,18 +410,22 @@ class ResponseShape:
                 if ev.finish_reason is not None:
                     final = self.body(text, ev, usage(ev))
                     await done(final)
-                    if self.tools is None:
+                    if streamed is not None:
                         group += closed(0, final["output"][0], piece)
                     else:
                         for k, item in enumerate(final["output"]):
-                            group += [*opened(k, item), *closed(k, item, item.get("content") and
-                                                                item["content"][0]["text"])]
+                            whole = item["content"][0]["text"] if item["type"] == "message" \
+                                else item["arguments"]
+                            group += [*opened(k, item), *closed(k, item, whole)]
                     yield [*group, event(f"response.{final['status']}", response=final)], True
                     return
-                if piece and self.tools is None:
-                    group.append(event("response.output_text.delta", item_id=self.item_id,
-                                       output_index=0, content_index=0, delta=piece,
-                                       logprobs=[]))
+                if piece and streamed is not None:
+                    group.append(
+                        event("response.output_text.delta", item_id=self.item_id,
+                              output_index=0, content_index=0, delta=piece, logprobs=[])
+                        if streamed["type"] == "message" else
+                        event("response.function_call_arguments.delta",
+                              item_id=self.call_item_id, output_index=0, delta=piece))
                 if group:
                     yield group, False
                     group = []

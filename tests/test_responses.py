@@ -120,6 +120,21 @@ def test_function_calls_are_made_as_chat_makes_them(fleet, client):
     assert call.arguments == chat_call["function"]["arguments"]
     assert isinstance(json.loads(call.arguments)["city"], str) and r.status == "completed"
     assert r.tool_choice.name == "get_weather" and r.tools[0].name == "get_weather"
+    # Streamed, the named call's arguments come piece by piece, in the item the response ends with.
+    events = list(client.responses.create(
+        model=MODEL, input=question, tools=[WEATHER], temperature=0, max_output_tokens=40,
+        tool_choice={"type": "function", "name": "get_weather"}, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert [e.type for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        *["response.function_call_arguments.delta"] * len(deltas),
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed"]
+    assert len(deltas) > 1 and "".join(deltas) == events[-3].arguments == call.arguments
+    (item,) = events[-1].response.output
+    assert item.id == events[2].item.id == events[-2].item.id and item.arguments == call.arguments
+    assert events[2].item.name == "get_weather" and events[2].item.arguments == ""
+    assert events[2].item.call_id == item.call_id
 
     body = {"input": question, "tools": [WEATHER], "tool_choice": "required", "temperature": 0,
             "max_output_tokens": 60, "parallel_tool_calls": False}
