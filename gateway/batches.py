@@ -229,7 +229,11 @@ def batches_router(jobs: Jobs, errors: Callable[..., dict]) -> APIRouter:
             ids = [m.decode() for m in r().zrevrange(keys().batches, 0, -1)]
             if after is not None:
                 ids = ids[ids.index(after) + 1:] if after in ids else []
-            found = [b for b in (batch_object(i) for i in ids[:limit]) if b is not None]
+            batches = [batch_object(i) for i in ids[:limit]]
+            gone = [i for i, b in zip(ids, batches) if b is None]  # expired
+            if gone:
+                r().zrem(keys().batches, *gone)
+            found = [b for b in batches if b is not None]
             return {"object": "list", "data": found,
                     "first_id": found[0]["id"] if found else None,
                     "last_id": found[-1]["id"] if found else None, "has_more": len(ids) > limit}
