@@ -188,6 +188,9 @@ class Scheduler:
         self.requests: dict[str, RequestState] = {}
         self.workers: dict[str, WorkerState] = {}
         self.failed: list[TokenEvent] = []  # failed by `place`, for the I/O loop to publish
+        # Every request failed here (by `place`, `expire` or `remove_worker`), for the I/O
+        # loop's traces; it empties the list as it reads it.
+        self.dropped: list[RequestState] = []
         # Seconds per token of recent prefill iterations (any worker); their lowest is what
         # `iteration_started` estimates with.
         self._seconds_per_token: deque[float] = deque(maxlen=LEARN_SAMPLES)
@@ -234,6 +237,7 @@ class Scheduler:
             s.migrations += 1
             if s.migrations > self.max_migrations:
                 del self.requests[rid]
+                self.dropped.append(s)
                 failed.append(self._event(s, [], "error", f"request failed: its worker was lost "
                                           f"{s.migrations} times (limit {self.max_migrations})",
                                           status=503))
@@ -284,6 +288,7 @@ class Scheduler:
         for s in self.waiting:
             if now - s.sub.arrival_time > self.queue_deadline_s and s.admitted_at is None:
                 del self.requests[s.sub.request_id]
+                self.dropped.append(s)
                 self.failed.append(self._event(
                     s, [], "error", f"the request waited more than {self.queue_deadline_s:g} s "
                     "for a worker", status=503))
@@ -361,6 +366,7 @@ class Scheduler:
             if need > largest:  # it would wait forever: fail it now
                 self._dequeue(i)
                 del self.requests[s.sub.request_id]
+                self.dropped.append(s)
                 self.failed.append(self._event(
                     s, [], "error", f"the request needs {need} K/V blocks (prompt + max_tokens); "
                     f"the largest worker has {largest}", status=400))

@@ -249,6 +249,7 @@ class SchedulerServer:
             failed, self.core.failed = self.core.failed, []
             metrics.REQUESTS_FINISHED.labels("error").inc(len(failed))
             self._publish(failed)
+            self._trace_dropped(now)
         due = self._send_plans()
         running = sum(len(w.running) for w in self.core.workers.values())
         metrics.REQUESTS_RUNNING.set(running)
@@ -358,6 +359,7 @@ class SchedulerServer:
                     lost - len(failed), len(failed))
         metrics.REQUESTS_FINISHED.labels("error").inc(len(failed))
         self._publish(failed)
+        self._trace_dropped(time.time())
         # Plans queued for the dead process must not reach one restarted under the same id.
         self.redis.delete(self.keys.plans(wid))
 
@@ -411,6 +413,12 @@ class SchedulerServer:
                 self._log_finished(s, e.finish_reason, result.worker_id, now)
                 self._trace_finished(s, e.finish_reason, result.worker_id, now)
         self._publish(events)
+
+    def _trace_dropped(self, now: float) -> None:
+        """The spans of the requests the scheduler failed itself (`Scheduler.dropped`)."""
+        dropped, self.core.dropped = self.core.dropped, []
+        for s in dropped:
+            self._trace_finished(s, "error", s.worker_id, now)
 
     def _trace_finished(self, s: RequestState, reason: str, worker_id: str | None,
                         now: float) -> None:

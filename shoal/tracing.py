@@ -5,7 +5,7 @@ the client's W3C trace context when its HTTP request carries one (`traceparent`,
 `tracestate`). The request carries that span's context to the scheduler
 (`RequestSubmission.trace_context`), which records the request's life in the fleet as a child
 span (`llm_request.schedule`: its queue time, the worker that ran it, its first token, its
-migrations) when the request finishes. Both export in batches over OTLP (HTTP/protobuf unless
+migrations) when the request ends: finished, cancelled, or failed by the scheduler itself. Both export in batches over OTLP (HTTP/protobuf unless
 `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` is `grpc`) to the collector at the endpoint given; the
 other OTEL_* variables of the OpenTelemetry SDK apply (the batch delay, the exporter's headers).
 

@@ -147,3 +147,21 @@ def test_a_request_the_client_leaves_ends_cancelled_in_both_spans(traced_fleet):
     assert scheduled["parent_id"] == gateway["span_id"]
     assert scheduled["attributes"]["gen_ai.response.finish_reasons"] == ["cancelled"]
     assert scheduled["attributes"]["gen_ai.usage.completion_tokens"] < 400
+
+
+def test_a_request_the_scheduler_fails_ends_in_error_in_both_spans(traced_fleet):
+    """A request larger than any worker's K/V cache (the up fleet's worker holds 5,824 tokens)
+    is failed by the scheduler itself: its span records it as well as the gateway's."""
+    url, collector = traced_fleet
+    r = httpx.post(url + "/v1/completions", timeout=60,
+                   json={"prompt": "Hello", "max_tokens": 7000, "temperature": 0})
+    assert r.status_code == 400 and "K/V blocks" in r.json()["error"]["message"]
+    (gateway,) = collector.wait_for(lambda s: s["name"] == "llm_request"
+                                    and s["attributes"]["gen_ai.request.max_tokens"] == 7000)
+    assert gateway["attributes"]["gen_ai.response.finish_reasons"] == ["error"]
+    request_id = gateway["attributes"]["gen_ai.request.id"]
+    (scheduled,) = collector.wait_for(lambda s: s["name"] == "llm_request.schedule"
+                                      and s["attributes"]["gen_ai.request.id"] == request_id)
+    assert scheduled["parent_id"] == gateway["span_id"]
+    assert scheduled["attributes"]["gen_ai.response.finish_reasons"] == ["error"]
+    assert scheduled["events"] == []  # never admitted
