@@ -127,17 +127,21 @@ def _add_tracing_arg(p: argparse.ArgumentParser) -> None:
                         "needs shoal[tracing]; default $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
 
 
-def _tracer(args: argparse.Namespace, service: str):
-    """The process's tracer (shoal/tracing.py), None without --otlp-traces-endpoint.
+def _tracer(args: argparse.Namespace, service: str | None):
+    """The process's tracer (shoal/tracing.py), None without --otlp-traces-endpoint; with
+    `service` None, only a check that tracing can start (`up`, whose parts start it).
 
     Raises:
         CLIError: the OpenTelemetry SDK or its exporter is not installed.
     """
     if args.otlp_traces_endpoint is None:
         return None
-    from shoal.tracing import TracingUnavailable, init_tracer
+    from shoal.tracing import TracingUnavailable, init_tracer, span_exporter_class
 
     try:
+        if service is None:
+            span_exporter_class()
+            return None
         return init_tracer(service, args.otlp_traces_endpoint)
     except TracingUnavailable as e:
         raise CLIError(str(e)) from e
@@ -802,12 +806,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         gateway_args += ["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser]
     scheduler_args: list[str] = []
     if args.otlp_traces_endpoint is not None:
-        from shoal.tracing import TracingUnavailable, span_exporter_class
-
-        try:  # refused here, not by the gateway and the scheduler as they start
-            span_exporter_class()
-        except TracingUnavailable as e:
-            raise CLIError(str(e)) from e
+        _tracer(args, None)  # refused here, not by the gateway and the scheduler as they start
         gateway_args += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
         scheduler_args += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     for flag, value in (("--kv-cache-bytes", args.kv_cache_bytes),
