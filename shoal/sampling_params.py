@@ -16,6 +16,9 @@ from shoal.structured_output import InvalidStructuredOutput, StructuredOutput
 
 CONTEXT_OVERFLOW = ("error", "reevaluate", "shift")
 MAX_TOP_LOGPROBS = 20  # most alternatives reported per token (OpenAI's chat API caps it there)
+# Temperatures below this are greedy, as vLLM's `_SAMPLING_EPS`: dividing logits by them
+# overflows, and one below float32's smallest number (1e-46) reached the sampling kernels as 0.
+SAMPLING_EPS = 1e-5
 
 
 class InvalidSamplingParams(ValueError):
@@ -28,7 +31,8 @@ class SamplingParams:
 
     Attributes:
         max_tokens: most tokens to generate (>= 1).
-        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        temperature: 0 (or anything below SAMPLING_EPS) means greedy (argmax); otherwise
+            logits are divided by it.
         top_k: keep only the k most likely tokens; 0 or -1 disables.
         top_p: keep the smallest set of tokens whose probability reaches p (nucleus sampling,
             Holtzman et al. 2020); 1.0 disables.
@@ -97,7 +101,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise InvalidSamplingParams(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
+        if not 0 <= self.temperature < math.inf:
             raise InvalidSamplingParams(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidSamplingParams(f"top_p must be in (0, 1], got {self.top_p}")
@@ -153,7 +157,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def adjusts_logits(self) -> bool:

@@ -153,6 +153,17 @@ def test_greedy_rows_and_logprobs():
     assert logprobs[1] is None and logprobs[2] is None
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_a_temperature_too_small_to_divide_by_is_greedy(kernels):
+    """Below SAMPLING_EPS a temperature is greedy (vLLM's rule): 1e-50 is 0 in float32, and the
+    sampling kernels refused it, which ended the worker that ran the request."""
+    logits = torch.randn(2, 50)
+    params = [SamplingParams(temperature=t, seed=3) for t in (1e-50, 5e-6)]
+    gens = [torch.Generator().manual_seed(3) for _ in params]
+    tokens, _, _ = Sampler(kernels)(logits.clone(), params, gens)
+    assert tokens == logits.argmax(-1).tolist()
+
+
 def test_top_logprobs_are_each_rows_most_likely_tokens_of_the_raw_distribution():
     logits = torch.randn(4, 300) * 3
     params = [SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5),
@@ -256,7 +267,8 @@ def test_penalized_greedy_rows_pick_from_penalized_logits_and_report_raw_logprob
         Sampler()(logits.clone(), params, [None, None], None)
 
 
-@pytest.mark.parametrize("kw", [{"max_tokens": 0}, {"temperature": -1}, {"top_p": 0},
+@pytest.mark.parametrize("kw", [{"max_tokens": 0}, {"temperature": -1},
+                                {"temperature": float("nan")}, {"top_p": 0},
                                 {"top_p": 1.5}, {"top_k": -2}, {"min_tokens": 5, "max_tokens": 2},
                                 {"presence_penalty": 2.5}, {"frequency_penalty": -2.1},
                                 {"repetition_penalty": 0.0}, {"repetition_penalty": float("inf")},
