@@ -17,7 +17,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal
 
@@ -29,13 +29,13 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
-from starlette.datastructures import Headers
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import shoal
-from gateway import anthropic, metrics
+from gateway import anthropic, metrics, tgi
 from gateway.batches import batches_router
 from gateway.jobs import Jobs, jobs_router
 from gateway.models import ModelCatalog, ServedModel
@@ -45,6 +45,7 @@ from gateway.responses import ResponseShape, ResponsesRequest, ResponseStore
 from gateway.responses import refusals as responses_refusals
 from gateway.schemas import (
     GENERATION_RESPONSES,
+    MAX_REQUEST_ID_CHARS,
     RESPONSES_RESPONSES,
     APIError,
     BatchChatRequest,
@@ -58,7 +59,7 @@ from gateway.schemas import (
     error_responses,
     invalid_request,
 )
-from gateway.sse import ChunkGroup, EventStream, TypedEventStream
+from gateway.sse import ChunkGroup, DataEventStream, EventStream, TypedEventStream
 from shoal import tracing
 from shoal.detokenizer import IncrementalDetokenizer
 from shoal.keys import Keys
@@ -430,6 +431,7 @@ class Gateway(RequestPreparation):
 
 
 # Served without a key: probes, and the pages (which send the key the user types with each call).
+REQUEST_ID_HEADER = "x-request-id"  # vLLM's, read and (with the flag) answered
 PUBLIC_PATHS = ("/healthz", "/health", "/ping", "/readyz", "/", "/fleet", "/shoal.css")
 
 
@@ -539,6 +541,8 @@ class GatewaySettings:
         allowed_origins, allowed_methods, allowed_headers, allow_credentials: CORS, for
             browser apps on other origins (vLLM's defaults: any origin, method and header, no
             credentials). Preflight requests are answered before the API key is checked.
+        enable_request_id_headers: every HTTP response carries an `X-Request-Id` header, the
+            request's own or a new one (vLLM's --enable-request-id-headers).
     """
 
     api_keys: tuple[str, ...] = ()
@@ -555,6 +559,7 @@ class GatewaySettings:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    enable_request_id_headers: bool = False
 
 
 def _key_ok(presented: str | None, keys: tuple[str, ...]) -> bool:
@@ -581,8 +586,12 @@ def _presented_key(headers: Headers) -> str | None:
 
 def _error_response(path: str, e: APIError, headers: dict[str, str] | None = None
                     ) -> JSONResponse:
-    """An error as the API of `path` answers it: Anthropic's body on its Messages API,
-    OpenAI's everywhere else."""
+    """An error as the API of `path` answers it: Anthropic's body on its Messages API, TGI's
+    (and its 422 for a request that is not valid) on TGI's, OpenAI's everywhere else."""
+    if tgi.owns(path):
+        status = tgi.status_of(e.status)
+        return JSONResponse(tgi.error_body(status, str(e), e.param), status_code=status,
+                            headers=headers)
     body = anthropic.error_body(e.status, str(e)) if anthropic.owns(path) else e.body()
     return JSONResponse(body, status_code=e.status, headers=headers)
 
@@ -604,7 +613,9 @@ class _Guard:
     def _refusal(self, scope: Scope) -> JSONResponse | None:
         settings, headers = self.settings, Headers(scope=scope)
         path = scope["path"]
-        if settings.api_keys and path not in settings.public_paths and not _key_ok(
+        # The public paths are pages and probes; POST / is TGI's API.
+        public = path in settings.public_paths and scope["method"] in ("GET", "HEAD")
+        if settings.api_keys and not public and not _key_ok(
                 _presented_key(headers), settings.api_keys):
             return _error_response(path, APIError(
                 "missing or invalid API key (Authorization: Bearer <key>, or x-api-key: <key>)",
@@ -637,6 +648,55 @@ class _TraceContext:
             await self.app(scope, receive, send)
         finally:
             context.detach(token)
+
+
+def _flat_routes(routes: list) -> Iterator[Route]:
+    """Every route, those of included routers too (recent FastAPI keeps an included router as
+    one entry, `original_router` holding its routes; its includes here add no prefix)."""
+    for route in routes:
+        if isinstance(route, Route):
+            yield route
+        elif (inner := getattr(route, "original_router", None)) is not None:
+            yield from _flat_routes(inner.routes)
+
+
+def _reply_id(kind: str, request: Request, req: GenerationRequest, fleet_id: str) -> str:
+    """The id of a completions (`kind` "cmpl") or chat ("chatcmpl") reply: `<kind>-<id>` for the
+    client's id, from its `X-Request-Id` header or else the body's `request_id` (vLLM's order),
+    and `fleet_id` without one. The fleet keeps ids of its own for the requests: two clients
+    sending the same id must not cancel or receive each other's tokens.
+
+    Raises:
+        APIError: the header's id is longer than MAX_REQUEST_ID_CHARS.
+    """
+    client_id = request.headers.get(REQUEST_ID_HEADER) or req.request_id
+    if not client_id:
+        return fleet_id
+    if len(client_id) > MAX_REQUEST_ID_CHARS:
+        raise APIError(f"X-Request-Id is longer than {MAX_REQUEST_ID_CHARS} characters",
+                       param="X-Request-Id")
+    return f"{kind}-{client_id}"
+
+
+class _RequestIdHeader:
+    """vLLM's --enable-request-id-headers: each HTTP response carries `X-Request-Id`, the
+    request's own when it sent one, else a new one (ASGI middleware)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        value = Headers(scope=scope).get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = value
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class _CountRequests:
@@ -704,8 +764,8 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         if e.status_code == 405:
             # Starlette's Allow names the methods of the first route whose path matches; a
             # path served by a route per method (GET and DELETE /v1/responses/{id}) allows all.
-            allowed = {m for route in app.router.routes if isinstance(route, Route)
-                       and route.matches(request.scope)[0] == Match.PARTIAL
+            allowed = {m for route in _flat_routes(app.router.routes)
+                       if route.matches(request.scope)[0] == Match.PARTIAL
                        for m in route.methods or ()}
             headers = {**(headers or {}), "Allow": ", ".join(sorted(allowed))}
         return _error_response(request.url.path,
@@ -731,6 +791,8 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                        allow_methods=settings.allowed_methods,
                        allow_headers=settings.allowed_headers,
                        allow_credentials=settings.allow_credentials)
+    if settings.enable_request_id_headers:
+        app.add_middleware(_RequestIdHeader)
     app.add_middleware(_CountRequests)  # outermost: counts the guard's refusals too
 
     @app.get("/metrics", responses={200: {"content": {"text/plain": {}}}, **error_responses(401)})
@@ -818,9 +880,21 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         event)` shapes each one (completions and chat differ only there), `first(index)` opens
         each choice; a failure becomes an error object and ends the stream; the event that ends
         the last open choice ends it too, with usage over all choices if asked for. `choice`
-        may return None for an event that makes no chunk (prompt logprobs still coming)."""
+        may return None for an event that makes no chunk (prompt logprobs still coming). With
+        vLLM's `continuous_usage_stats`, each chunk carries its choice's usage so far."""
+        options = req.stream_options
+        continuous = bool(options and options.include_usage and options.continuous_usage_stats)
+        generated = [0] * len(ps)  # tokens so far, by choice
+
+        def with_usage(i: int, chunk: dict[str, Any]) -> dict[str, Any]:
+            if not continuous:
+                return chunk
+            prompt = len(ps[i].prompt_ids)
+            return {**chunk, "usage": {"prompt_tokens": prompt, "completion_tokens": generated[i],
+                                       "total_tokens": prompt + generated[i]}}
+
         if first is not None:
-            yield [first(i) for i in range(len(ps))], False
+            yield [with_usage(i, first(i)) for i in range(len(ps))], False
         last: dict[int, TokenEvent] = {}
         async with contextlib.aclosing(_merge([gw.run(p) for p in ps])) as events:
             async for i, (piece, ev) in events:
@@ -829,12 +903,14 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                     return
                 if ev.finish_reason:
                     last[i] = ev
+                generated[i] = max(generated[i], ev.index + len(ev.token_ids))
                 # A token whose text the detokenizer holds back still gets a chunk when its
                 # logprob was asked for.
                 shaped = (choice(i, piece, ev)
                           if piece or ev.finish_reason or ev.prompt_logprobs is not None
                           or ev.logprobs and ev.logprobs[0] is not None else None)
-                group = [{**base, "choices": [shaped]}] if shaped is not None else []
+                group = [with_usage(i, {**base, "choices": [shaped]})] if shaped is not None \
+                    else []
                 if len(last) == len(ps):
                     if req.stream_options and req.stream_options.include_usage:
                         group.append({**base, "choices": [],
@@ -847,6 +923,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
     @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(req: CompletionRequest, request: Request):
         rid, prompts = gw.prepare_completion(req)
+        rid = _reply_id("cmpl", request, req, rid)
         ps = gw.choices(prompts, req.n)
         await admit(ps, _presented_key(request.headers))
         created = int(time.time())
@@ -972,13 +1049,14 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
     @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat(req: ChatRequest, request: Request):
         p = gw.prepare_chat(req)
-        return await chat_reply(req, p.request_id, [p], request)
+        return await chat_reply(req, _reply_id("chatcmpl", request, req, p.request_id), [p],
+                                request)
 
     @app.post("/v1/chat/completions/batch", responses=error_responses(400, 401, 404, 429, 503))
     async def chat_batch(req: BatchChatRequest, request: Request):
         """vLLM's: several conversations in one request, choice k answering conversation k."""
         rid, prompts = gw.prepare_chat_batch(req)
-        return await chat_reply(req, rid, prompts, request)
+        return await chat_reply(req, _reply_id("chatcmpl", request, req, rid), prompts, request)
 
     store = ResponseStore(lambda: gw.redis, gw.keys, settings.responses_ttl_s)
 
@@ -1046,6 +1124,45 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
             return TypedEventStream(shape.events(gw.run(p), lambda last: _usage([p], last)))
         done = (await _collect([p]))[0]
         return shape.body(done.text, done.last, _usage([p], done.last))
+
+    async def generate(req: tgi.GenerateRequest, request: Request, stream: bool):
+        """TGI's generation, served as a completions request (gateway/tgi.py): its stream, or
+        its answer."""
+        with tgi.refusals():
+            _, (p,) = gw.prepare_completion(req.to_completion(stream))
+        await admit([p], _presented_key(request.headers))
+        shape = tgi.GenerationShape(req, p.model, p.prompt_ids,
+                                    p.params.seed if req.parameters.sampling else None)
+        if stream:
+            return DataEventStream(shape.events(gw.run(p)))
+        c = (await _collect([p]))[0]
+        answer: dict[str, Any] = {"generated_text": shape.generated_text(c.text)}
+        if req.parameters.details:
+            prefill = shape.prefill(lambda pos: c.prompt.get(pos, (None,))[0])
+            answer["details"] = shape.details(c.text, c.last, c.ids, c.logprobs, c.tops, prefill)
+        return answer
+
+    @app.post("/generate", responses=tgi.GENERATE_RESPONSES)
+    async def tgi_generate(req: tgi.GenerateRequest, request: Request):
+        """TGI's: the generated text (with `details`, how it was made)."""
+        return await generate(req, request, stream=False)
+
+    @app.post("/generate_stream", responses=tgi.STREAM_RESPONSES)
+    async def tgi_generate_stream(req: tgi.GenerateRequest, request: Request):
+        """TGI's: the generated tokens as they come."""
+        return await generate(req, request, stream=True)
+
+    @app.post("/", responses=tgi.STREAM_RESPONSES)
+    async def tgi_compat(req: tgi.GenerateRequest, request: Request):
+        """TGI's compatibility route: the stream with `stream: true`, else a list of one
+        answer."""
+        answer = await generate(req, request, stream=req.stream)
+        return answer if req.stream else [answer]
+
+    @app.get("/info", responses=error_responses(401))
+    async def tgi_info():
+        """TGI's: the model served (the default one) and the gateway's limits."""
+        return tgi.info(gw.catalog.default, shoal.__version__)
 
     @app.post(anthropic.PATH + "/count_tokens", responses=anthropic.COUNT_TOKENS_RESPONSES)
     async def count_tokens(req: anthropic.CountTokensRequest):

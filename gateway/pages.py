@@ -36,8 +36,10 @@ def pages_router(fleet: Callable[[], Awaitable[Any]], fleet_model: type,
         # Read per request: the files are small and an edited page shows without a restart.
         return Response((STATIC / name).read_text(encoding="utf-8"), media_type=media_type)
 
-    @router.get("/", response_class=HTMLResponse, include_in_schema=False)
+    # In the schema: POST / (TGI's API) is, and a path's methods are documented together.
+    @router.get("/", response_class=HTMLResponse)
     async def playground():
+        """The playground page."""
         return static("playground.html")
 
     @router.get("/fleet", response_class=HTMLResponse, include_in_schema=False)

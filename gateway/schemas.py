@@ -61,9 +61,11 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": ErrorBody, "description": why[code]} for code in statuses}
 
 
+# One event of a stream of `data:` lines, as schemathesis checks each event.
+SSE_DATA = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
 GENERATION_RESPONSES = {
     200: {"description": "a JSON response, or Server-Sent Events with `stream: true`",
-          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+          "content": {"text/event-stream": {"schema": SSE_DATA}}},
     **error_responses(400, 401, 404, 429, 503),
 }
 # The Responses API streams named events (`event:` and `data:` lines), each one checked so.
@@ -78,6 +80,9 @@ RESPONSES_RESPONSES = {
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(
+        default=False, description="with include_usage, every chunk also carries its choice's "
+        "usage so far (vLLM's)")
 
 
 class JSONSchemaFormat(BaseModel):
@@ -155,6 +160,7 @@ MAX_CHOICES = 16  # most choices (`n`) of one request
 MAX_PROMPTS = 64  # most prompts of one completions request
 MAX_REQUESTS = 256  # most requests (prompts x choices) one API request becomes in the fleet
 MAX_TOKEN_LIST = 4096  # most token ids in stop_token_ids or allowed_token_ids
+MAX_REQUEST_ID_CHARS = 256  # longest client request id (X-Request-Id or the body's request_id)
 
 
 class GenerationRequest(BaseModel):
@@ -221,6 +227,10 @@ class GenerationRequest(BaseModel):
         default=None, ge=0, le=MAX_TOP_LOGPROBS, description="each prompt token's logprob and "
         "rank given the tokens before it, with this many most likely tokens at each position "
         "(vLLM's; not with stream)")
+    request_id: str | None = Field(
+        default=None, min_length=1, max_length=MAX_REQUEST_ID_CHARS,
+        description="the reply's id is built from it (`cmpl-<request_id>`, "
+        "`chatcmpl-<request_id>`); an `X-Request-Id` header wins over it (vLLM's)")
 
 
 def unsupported(allowed: tuple, what: str) -> AfterValidator:

@@ -53,3 +53,10 @@ class TypedEventStream(EventStream):
     @staticmethod
     def line(event: dict[str, Any]) -> str:
         return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
+class DataEventStream(EventStream):
+    """TGI's stream: `data:` lines and no `[DONE]`: its last event carries the generated
+    text."""
+
+    end = ""

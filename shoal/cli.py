@@ -275,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(vLLM's; default [\"*\"])")
     gw.add_argument("--allow-credentials", action="store_true",
                     help="CORS: browsers may send credentials (cookies) cross-origin")
+    gw.add_argument("--enable-request-id-headers", action="store_true",
+                    help="answer every HTTP request with an X-Request-Id header: its own, or a "
+                         "new one (vLLM's)")
     gw.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key")
     gw.add_argument("--ssl-certfile", default=None, help="... and this certificate (chain)")
     gw.add_argument("--ssl-ca-certs", default=None,
@@ -704,7 +707,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
                                allowed_origins=tuple(args.allowed_origins),
                                allowed_methods=tuple(args.allowed_methods),
                                allowed_headers=tuple(args.allowed_headers),
-                               allow_credentials=args.allow_credentials)
+                               allow_credentials=args.allow_credentials,
+                               enable_request_id_headers=args.enable_request_id_headers)
     tls = _tls(args)
     tracer = _tracer(args, "shoal-gateway")
     app = create_app(args.redis_url, models, args.prefix, settings, tracer)

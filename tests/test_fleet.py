@@ -730,6 +730,25 @@ def test_a_stream_ends_in_one_write(fleet):
         assert done == "data: [DONE]"
 
 
+def test_continuous_usage_stats_count_each_choices_tokens_so_far(fleet):
+    """vLLM's `continuous_usage_stats`: every chunk carries its choice's usage so far, which
+    ends at the choice's length; the usage chunk still sums the choices."""
+    events = _sse(fleet["url"] + "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": 6, "n": 2,
+        "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    *chunks, total = events
+    prompt = total["usage"]["prompt_tokens"]
+    for i in (0, 1):
+        mine = [c for c in chunks if c["choices"][0]["index"] == i]
+        counts = [c["usage"]["completion_tokens"] for c in mine]
+        assert counts[0] == 0 and mine[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert counts == sorted(counts) and counts[-1] == 6
+        assert all(c["usage"]["prompt_tokens"] == prompt for c in mine)
+        assert all(c["usage"]["total_tokens"] == prompt + n for c, n in zip(mine, counts))
+    assert total["choices"] == [] and total["usage"]["completion_tokens"] == 12
+
+
 def test_a_client_gone_cancels_every_choice(fleet):
     import redis
 

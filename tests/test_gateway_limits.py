@@ -3,6 +3,7 @@ process in front of the shared test fleet."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -20,7 +21,8 @@ APP_ORIGIN = "https://app.example"
 def guarded(fleet):
     with extra_gateway(fleet, "--api-key", KEY, "--max-waiting", "1",
                        "--max-body-bytes", "20000",
-                       "--allowed-origins", json.dumps([APP_ORIGIN])) as url:
+                       "--allowed-origins", json.dumps([APP_ORIGIN]),
+                       "--enable-request-id-headers") as url:
         yield url
 
 
@@ -88,6 +90,58 @@ def test_browser_apps_on_allowed_origins_may_call_the_api(guarded):
     r = httpx.post(guarded + "/v1/chat/completions", json=body, timeout=60,
                    headers={"Origin": APP_ORIGIN})
     assert r.status_code == 401 and r.headers["access-control-allow-origin"] == APP_ORIGIN
+
+
+def test_request_id_headers(guarded):
+    """vLLM's --enable-request-id-headers: a response carries the request's X-Request-Id, or a
+    new one; the reply's id is built from the client's id, the header winning over the body's
+    request_id; an id too long is a 400."""
+    body = {"prompt": "The sea", "max_tokens": 2, "temperature": 0}
+    r = httpx.post(guarded + "/v1/completions", json=body, timeout=60,
+                   headers={**AUTH, "X-Request-Id": "client-42"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "client-42"
+    assert r.json()["id"] == "cmpl-client-42"
+    r = httpx.post(guarded + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200 and len(r.headers["x-request-id"]) == 32
+    assert r.json()["id"].startswith("cmpl-") and r.headers["x-request-id"] not in r.json()["id"]
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0,
+            "request_id": "from-body"}
+    r = httpx.post(guarded + "/v1/chat/completions", json=chat, headers=AUTH, timeout=60)
+    assert r.json()["id"] == "chatcmpl-from-body"
+    r = httpx.post(guarded + "/v1/chat/completions", json=chat, timeout=60,
+                   headers={**AUTH, "X-Request-Id": "from-header"})
+    assert r.json()["id"] == "chatcmpl-from-header"
+    r = httpx.post(guarded + "/v1/completions", json=body, timeout=60,
+                   headers={**AUTH, "X-Request-Id": "x" * 257})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id"
+    r = httpx.get(guarded + "/v1/models", timeout=30)  # refused (no key), still answered with one
+    assert r.status_code == 401 and len(r.headers["x-request-id"]) == 32
+
+
+def test_clients_may_reuse_request_ids(fleet):
+    """Two requests sent at once with the same X-Request-Id both get their own tokens: the id
+    names the replies, never the fleet's requests (the gateway answers without the header)."""
+    prompts = ["Once upon a time", "The capital of France"]
+
+    def body(prompt: str) -> dict:
+        return {"prompt": prompt, "max_tokens": 6, "temperature": 0}
+
+    alone = [httpx.post(fleet["url"] + "/v1/completions", json=body(p), timeout=60).json()
+             for p in prompts]
+
+    async def both() -> list[dict]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            rs = await asyncio.gather(*(client.post(fleet["url"] + "/v1/completions",
+                                                    json=body(p),
+                                                    headers={"X-Request-Id": "same"})
+                                        for p in prompts))
+        return [r.json() for r in rs]
+
+    together = asyncio.run(both())
+    assert [d["id"] for d in together] == ["cmpl-same", "cmpl-same"]
+    assert [d["choices"][0]["text"] for d in together] == \
+        [d["choices"][0]["text"] for d in alone]
+    assert alone[0]["choices"][0]["text"] != alone[1]["choices"][0]["text"]
 
 
 def test_the_gateway_serves_https(fleet, tmp_path):
