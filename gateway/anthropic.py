@@ -10,8 +10,9 @@ chat API's, `stop_sequences` its stop strings; the reply becomes a message of `t
   `continue_final_message`) and holds only what the model added.
 - Tool use is made as chat makes it (gateway/tools.py): `{"type": "tool"}` and `"any"` constrain
   the reply; `"auto"` (the default with tools) needs the gateway's tool-call parser. Streamed, a
-  forced tool's input comes piece by piece as it is generated; the blocks of other replies with
-  tools come whole once the reply is complete.
+  forced tool's input comes piece by piece as it is generated; with `"auto"` the text streams
+  until a call begins and the calls come whole once the reply is complete, as with `"any"`
+  every block does.
 - `usage` counts as Anthropic does: `input_tokens` are the prompt tokens computed, and
   `cache_read_input_tokens` those found in the prefix cache (their sum is the prompt).
 - Errors on these paths have Anthropic's body, `{"type": "error", "error": {"type",
@@ -406,9 +407,10 @@ class MessageShape:
         `gateway.app.Gateway.run`'s (text, event) pairs; `count(last_event)` gives the usage.
         In order: message_start; then a block that streams as the reply comes (its start, a
         delta per piece, its stop): the text, or the call a `tool` tool_choice forces, its
-        input as JSON text piece by piece. A reply that may or may not hold calls (`any`,
-        `auto`) sends every block (start, one delta, stop) once it is complete. Then
-        message_delta (stop reason, output tokens) and message_stop. A failure ends the
+        input as JSON text piece by piece. With `auto`, the text streams until a call begins
+        (`ToolCalls.delta` holds back what could begin one), and the calls follow whole once
+        the reply is complete; with `any`, every block (start, one delta, stop) comes then.
+        Then message_delta (stop reason, output tokens) and message_stop. A failure ends the
         stream with an `error` event."""
         group: list[dict[str, Any]] = [{"type": "message_start",
                                         "message": self.body("", None, None)}]
@@ -427,6 +429,8 @@ class MessageShape:
         def streamed(piece: str) -> list[dict[str, Any]]:
             return [{"type": "content_block_delta", "index": 0,
                      "delta": {"type": field[0], field[1]: piece}}] if piece else []
+        auto = self.tools is not None and self.tools.mode == "auto"
+        sent = ""  # with auto: the text streamed so far, in a text block opened by its start
         text = ""
         async with contextlib.aclosing(run) as stream:  # leaving early cancels the request
             async for piece, ev in stream:
@@ -438,6 +442,12 @@ class MessageShape:
                     text += piece
                     if block is not None:
                         group += streamed(piece)
+                    elif auto and (d := self.tools.delta(0, piece, text, False)):
+                        if not sent:
+                            group.append({"type": "content_block_start", "index": 0,
+                                          "content_block": {"type": "text", "text": ""}})
+                        sent += d["content"]
+                        group.append(_delta(0, {"type": "text", "text": d["content"]}))
                     if group:
                         yield group, False
                         group = []
@@ -447,7 +457,13 @@ class MessageShape:
                     group += streamed(self.split(text + piece, ev)[0][len(text):])
                     group.append({"type": "content_block_stop", "index": 0})
                 else:
-                    for k, whole in enumerate(done["content"]):
+                    content = done["content"]
+                    if sent:  # the streamed text block: the rest of its text, and its end
+                        rest = content[0]["text"][len(sent):]
+                        if rest:
+                            group.append(_delta(0, {"type": "text", "text": rest}))
+                        group.append({"type": "content_block_stop", "index": 0})
+                    for k, whole in enumerate(content[1 if sent else 0:], 1 if sent else 0):
                         group += [{"type": "content_block_start", "index": k,
                                    "content_block": {**whole, "input": {}}
                                    if whole["type"] == "tool_use" else {**whole, "text": ""}},

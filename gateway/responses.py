@@ -342,10 +342,11 @@ class ResponseShape:
         sent (it stores it). In order: created and in_progress; then the message's events as its text
         comes (item and part added, a delta per piece, text, part and item done), or the
         events of the call a named tool_choice forces as its arguments come (item added, a
-        delta per piece, arguments and item done), or, when the reply may or may not be calls
-        ("required", "auto"), each item's events once the reply is complete (a "required"
-        reply is no call until its array closes); then completed (or incomplete). A failure ends the stream with
-        `response.failed`."""
+        delta per piece, arguments and item done). With "auto", the message's text streams
+        until a call begins (`ToolCalls.delta` holds back what could begin one), and the calls'
+        items follow whole once the reply is complete; with "required", every item comes then
+        (the reply is no call until its array closes). Then completed (or incomplete). A
+        failure ends the stream with `response.failed`."""
         seq = itertools.count()
 
         def event(kind: str, **fields: Any) -> dict[str, Any]:
@@ -398,6 +399,8 @@ class ResponseShape:
                         "call_id": self.tools.call_id(0), "name": self.tools.name}
         if streamed is not None:
             group += opened(0, streamed)
+        auto = self.tools is not None and self.tools.mode == "auto"
+        sent = ""  # with auto: the text streamed so far, in the message opened by its start
         text = ""
         async with contextlib.aclosing(run) as stream:  # leaving early cancels the request
             async for piece, ev in stream:
@@ -413,12 +416,23 @@ class ResponseShape:
                     if streamed is not None:
                         group += closed(0, final["output"][0], piece)
                     else:
-                        for k, item in enumerate(final["output"]):
+                        if sent:  # the streamed message: the rest of its text, and its end
+                            message = final["output"][0]
+                            group += closed(0, message, message["content"][0]["text"][len(sent):])
+                        for k, item in enumerate(final["output"][1 if sent else 0:],
+                                                 1 if sent else 0):
                             whole = item["content"][0]["text"] if item["type"] == "message" \
                                 else item["arguments"]
                             group += [*opened(k, item), *closed(k, item, whole)]
                     yield [*group, event(f"response.{final['status']}", response=final)], True
                     return
+                if auto and (d := self.tools.delta(0, piece, text, False)):
+                    if not sent:
+                        group += opened(0, self.message("", "in_progress"))
+                    sent += d["content"]
+                    group.append(event("response.output_text.delta", item_id=self.item_id,
+                                       output_index=0, content_index=0, delta=d["content"],
+                                       logprobs=[]))
                 if piece and streamed is not None:
                     group.append(
                         event("response.output_text.delta", item_id=self.item_id,

@@ -194,6 +194,66 @@ def test_auto_streams_the_answer_and_sends_the_calls_whole():
         assert [c["function"] for c in streamed] == [c["function"] for c in calls or []]
 
 
+def _pieces(text: str):
+    """A fake `Gateway.run`: the text one character a token, the last event ending it."""
+    from shoal.messages import TokenEvent
+
+    async def run():
+        for k, ch in enumerate(text):
+            end = k == len(text) - 1
+            yield ch, TokenEvent("r", k, [k], finish_reason="stop" if end else None,
+                                 prompt_tokens=3, completion_tokens=len(text))
+    return run()
+
+
+def _usage(_last) -> dict:
+    return {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4,
+            "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+async def _all(groups) -> list[dict]:
+    return [e async for events, _ in groups for e in events]
+
+
+def test_auto_streams_the_text_before_a_call_on_the_messages_and_responses_apis():
+    """"auto" on the other APIs' streams: the text before a call streams in its own block or
+    message as it comes, then the call follows whole, as the unstreamed reply has them."""
+    import asyncio
+
+    from gateway.anthropic import MessageShape, MessagesRequest
+    from gateway.responses import ResponseShape, ResponsesRequest
+
+    text = 'Let me check.<tool_call>{"name": "get_time", "arguments": {"timezone": "UTC"}}' \
+           '</tool_call>'
+    ask = MessagesRequest(model="m", max_tokens=64, messages=[{"role": "user", "content": "x"}],
+                          tools=[{"name": "get_time", "input_schema": TIME}])
+    shape = MessageShape(ask, "m", ToolCalls.of(ask.to_chat(), "hermes"), 3)
+    events = asyncio.run(_all(shape.events(_pieces(text), _usage)))
+    kinds = [(e["type"], e.get("index")) for e in events]
+    deltas = [e["delta"]["text"] for e in events if e["type"] == "content_block_delta"
+              and e["index"] == 0]
+    assert len(deltas) > 1 and "".join(deltas) == "Let me check."
+    assert kinds.index(("content_block_stop", 0)) < kinds.index(("content_block_start", 1))
+    (call,) = [e["content_block"] for e in events if e["type"] == "content_block_start"
+               and e["index"] == 1]
+    assert call["type"] == "tool_use" and call["name"] == "get_time"
+    assert events[-2]["delta"]["stop_reason"] == "tool_use"
+
+    req = ResponsesRequest(model="m", input="x", tools=[{"type": "function", "name": "get_time",
+                                                         "parameters": TIME}])
+    shape = ResponseShape(req, "m", ToolCalls.of(req.to_chat([]), "hermes"))
+
+    async def stored(_response) -> None:
+        pass
+    events = asyncio.run(_all(shape.events(_pieces(text), _usage, stored)))
+    deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == "Let me check."
+    message, fc = events[-1]["response"]["output"]
+    assert message["content"][0]["text"] == "Let me check." and fc["type"] == "function_call"
+    added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == [0, 1]
+
+
 # A conversation that makes the real model call a tool in the hermes form, from two examples.
 FEW_SHOT = [
     {"role": "system", "content": 'You call functions. To call one, reply with <tool_call>'
@@ -268,6 +328,25 @@ def test_auto_reads_the_calls_the_model_chose_to_make(fleet, auto_gateway):
     assert answer.choices[0].message.tool_calls is None
     assert answer.choices[0].message.content == without["message"]["content"]
     assert answer.choices[0].finish_reason == without["finish_reason"]
+
+    # An answer streams as it comes on the Responses and Messages APIs too, not whole at the
+    # end.
+    asking = {"model": "SmolLM2-135M-Instruct", "input": plain, "max_output_tokens": 16,
+              "tools": [{"type": "function", **tools[0]["function"]}], "temperature": 0}
+    (whole,) = client.responses.create(**asking).output
+    events = list(client.responses.create(**asking, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == whole.content[0].text
+    (item,) = events[-1].response.output
+    assert item.type == "message" and item.content[0].text == whole.content[0].text
+
+    asking = {**ask, "messages": plain, "max_tokens": 16}
+    (whole,) = anthropic.messages.create(**asking).content
+    with anthropic.messages.stream(**asking) as stream:
+        deltas = [e.delta.text for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert whole.type == "text" and len(deltas) > 1 and "".join(deltas) == whole.text
+    assert [(b.type, b.text) for b in final.content] == [("text", whole.text)]
 
 
 def test_the_cli_lists_the_parsers_the_gateway_has():
