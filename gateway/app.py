@@ -678,50 +678,64 @@ def _reply_id(kind: str, request: Request, req: GenerationRequest, fleet_id: str
     return f"{kind}-{client_id}"
 
 
-class _RequestIdHeader:
-    """vLLM's --enable-request-id-headers: each HTTP response carries `X-Request-Id`, the
-    request's own when it sent one, else a new one (ASGI middleware)."""
+class _ResponseStartHook:
+    """ASGI middleware over HTTP requests that looks at (and may change) each response's start:
+    `begin(scope)` makes the request's state, `on_start(state, message)` sees the
+    `http.response.start` message, `end(scope, state)` runs when the request is done."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+
+    def begin(self, scope: Scope) -> Any:
+        return None
+
+    def on_start(self, state: Any, message: Message) -> None:
+        pass
+
+    def end(self, scope: Scope, state: Any) -> None:
+        pass
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        value = Headers(scope=scope).get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        state = self.begin(scope)
 
-        async def send_with_id(message: Message) -> None:
+        async def watched(message: Message) -> None:
             if message["type"] == "http.response.start":
-                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = value
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
-
-
-class _CountRequests:
-    """`shoal_gateway_requests_total` by route and status (ASGI middleware)."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status: list[int] = []
-
-        async def send_and_note(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status.append(message["status"])
+                self.on_start(state, message)
             await send(message)
 
         try:
-            await self.app(scope, receive, send_and_note)
+            await self.app(scope, receive, watched)
         finally:
-            if status:  # the router has put the matched route into the shared scope
-                endpoint = getattr(scope.get("route"), "path", None) or "other"
-                metrics.REQUESTS.labels(endpoint, str(status[0])).inc()
+            self.end(scope, state)
+
+
+class _RequestIdHeader(_ResponseStartHook):
+    """vLLM's --enable-request-id-headers: each HTTP response carries `X-Request-Id`, the
+    request's own when it sent one, else a new one."""
+
+    def begin(self, scope: Scope) -> str:
+        return Headers(scope=scope).get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+
+    def on_start(self, state: str, message: Message) -> None:
+        MutableHeaders(scope=message)[REQUEST_ID_HEADER] = state
+
+
+class _CountRequests(_ResponseStartHook):
+    """`shoal_gateway_requests_total` by route and status."""
+
+    def begin(self, scope: Scope) -> list[int]:
+        return []  # the response's status, once it starts
+
+    def on_start(self, state: list[int], message: Message) -> None:
+        state.append(message["status"])
+
+    def end(self, scope: Scope, state: list[int]) -> None:
+        if state:  # the router has put the matched route into the shared scope
+            endpoint = getattr(scope.get("route"), "path", None) or "other"
+            metrics.REQUESTS.labels(endpoint, str(state[0])).inc()
 
 
 def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: str = "shoal",
