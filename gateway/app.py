@@ -430,8 +430,8 @@ class Gateway(RequestPreparation):
         return True, "ok"
 
 
-# Served without a key: probes, and the pages (which send the key the user types with each call).
 REQUEST_ID_HEADER = "x-request-id"  # vLLM's, read and (with the flag) answered
+# Served without a key: probes, and the pages (which send the key the user types with each call).
 PUBLIC_PATHS = ("/healthz", "/health", "/ping", "/readyz", "/", "/fleet", "/shoal.css")
 
 
@@ -822,6 +822,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
     @app.get("/healthz")
     @app.get("/health", description="vLLM's name for /healthz")
     @app.get("/ping", description="SageMaker's name for /healthz, as vLLM serves it")
+    @app.post("/ping", description="SageMaker's name for /healthz, as vLLM serves it")
     async def healthz():
         return {"status": "ok"}
 
@@ -1071,6 +1072,27 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         """vLLM's: several conversations in one request, choice k answering conversation k."""
         rid, prompts = gw.prepare_chat_batch(req)
         return await chat_reply(req, _reply_id("chatcmpl", request, req, rid), prompts, request)
+
+    @app.post("/invocations", responses=GENERATION_RESPONSES, openapi_extra={"requestBody": {
+        "required": True, "content": {"application/json": {"schema": {"oneOf": [
+            {"$ref": "#/components/schemas/ChatRequest"},
+            {"$ref": "#/components/schemas/CompletionRequest"}]}}}}})
+    async def invocations(request: Request):
+        """SageMaker's inference route, as vLLM serves it: a chat request (it has `messages`)
+        or a completions request (`prompt`), answered as on its own route."""
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise APIError(f"the request body is not valid JSON: {e}") from e
+        if not isinstance(body, dict) or not ({"messages", "prompt"} & body.keys()):
+            raise APIError("expected a chat request (with messages) or a completions request "
+                           "(with prompt)")
+        kind = ChatRequest if "messages" in body else CompletionRequest
+        try:
+            req = kind.model_validate(body)
+        except ValidationError as e:
+            raise invalid_request(e.errors()) from e
+        return await (chat(req, request) if kind is ChatRequest else completions(req, request))
 
     store = ResponseStore(lambda: gw.redis, gw.keys, settings.responses_ttl_s)
 

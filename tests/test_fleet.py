@@ -537,6 +537,29 @@ def test_models_health_and_readiness(fleet):
         client.models.retrieve("no/such-model")
 
 
+def test_sagemakers_invocations_route_serves_chat_and_completions(fleet):
+    """vLLM's `/invocations` (SageMaker's): a body with `messages` is answered as chat, one with
+    `prompt` as completions, the same as on their own routes; anything else gets a 400."""
+    chat = {"messages": [{"role": "user", "content": "Name a fruit."}], "max_tokens": 8,
+            "temperature": 0}
+    completion = {"prompt": "The sky is", "max_tokens": 8, "temperature": 0}
+    for body, path, key in ((chat, "/v1/chat/completions", "message"),
+                            (completion, "/v1/completions", "text")):
+        direct = httpx.post(fleet["url"] + path, json=body, timeout=60).json()
+        r = httpx.post(fleet["url"] + "/invocations", json=body, timeout=60)
+        assert r.status_code == 200
+        assert r.json()["object"] == direct["object"]
+        assert r.json()["choices"][0][key] == direct["choices"][0][key]
+    for raw in (b"{nope", b"[1]", json.dumps({"input": "x"}).encode(),
+                json.dumps({**completion, "max_tokens": 0}).encode()):
+        r = httpx.post(fleet["url"] + "/invocations", content=raw, timeout=30,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"], raw
+    assert httpx.post(fleet["url"] + "/invocations", json={**completion, "max_tokens": 0},
+                      timeout=30).json()["error"]["param"] == "max_tokens"
+    assert httpx.post(fleet["url"] + "/ping", timeout=30).json() == {"status": "ok"}
+
+
 def test_shoal_up_serves_and_stops_cleanly():
     port = free_port()
     up = subprocess.Popen([*shoal_command(), "up", "--port", str(port),
