@@ -478,8 +478,9 @@ class Scheduler:
             if out.finish_reason is not None:
                 self._unplace(s)
                 self.requests.pop(out.request_id, None)
-            # An engine error is about the request itself (see Engine.add_request).
-            status = 400 if out.finish_reason == "error" else None
+            # An engine error is about the request itself (see Engine.add_request), unless the
+            # worker says the engine failed running it.
+            status = (out.error_status or 400) if out.finish_reason == "error" else None
             event = self._event(s, tokens, out.finish_reason, out.error, out.logprob,
                                 index=out.index, status=status,
                                 top=out.top_logprobs if tokens else None)

@@ -652,7 +652,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         serve_metrics(args.metrics_port)
         settings = WorkerSettings(args.redis_url, args.worker_id or default_worker_id(),
                                   prefix=args.prefix,
-                                  served_model_name=(args.served_model_name or [None])[0])
+                                  served_model_name=(args.served_model_name or [None])[0],
+                                  contain_engine_failures=group is None)
         server = WorkerServer(engine, path, settings)
         freeze_heap()
         if group is None:

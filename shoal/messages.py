@@ -206,6 +206,8 @@ class TokenOutput(Message):
         finish_reason: "stop" (EOS or a stop token), "length" (max_tokens or the context window),
             "error", or None while the request goes on.
         error: what went wrong when `finish_reason` is "error".
+        error_status: the HTTP status that error maps to: None for 400 (the engine cannot run
+            the request, see `Engine.add_request`), 500 when the engine failed while running it.
         num_cached_tokens: on a request's first token (index 0), the tokens of its prompt that
             it found in the worker's prefix cache instead of computing them.
         top_logprobs: when the request asked for `top_logprobs` k, the k most likely tokens at
@@ -235,6 +237,7 @@ class TokenOutput(Message):
     prompt_top_logprobs: list[list[list]] | None = None
     prompt_position: int = 0
     prompt_ranks: list[int] | None = None
+    error_status: int | None = None
 
 
 @dataclass(frozen=True)

@@ -468,3 +468,48 @@ def test_a_workers_prefix_index_keeps_its_most_recent_blocks():
     assert index.match([b"a", b"b", b"c", b"d"]) == 4
     index.add([b"e"], capacity=4)  # "b", the least recent, goes
     assert index.match([b"a", b"b"]) == 1 and index.match([b"c", b"d", b"e"]) == 3
+
+
+def test_an_engine_failure_fails_its_iterations_requests_not_the_worker(monkeypatch):
+    """A step that raises (a request that breaks the engine) fails the requests the engine held
+    with status 500 and frees all their blocks; the worker then serves new requests. Failing
+    MAX_FAILED_ITERATIONS iterations in a row ends it."""
+    from worker import server as worker_server
+
+    sched = Scheduler("reserve")
+    w = SimWorker("w", 40)
+    sched.update_worker(w.info())
+    run = w.engine._run
+
+    def poisoned(decodes, prefills):
+        if any(s.request_id == "poison" for s in [*decodes, *(s for s, _ in prefills)]):
+            raise RuntimeError("the kernel refused a value")
+        return run(decodes, prefills)
+    monkeypatch.setattr(w.engine, "_run", poisoned)
+    for i, rid in enumerate(["a", "poison", "b"]):
+        sched.add_request(_sub(rid, 6, 4, float(i)))
+    events: list = []
+    workers = {"w": w}
+    while sched.requests:
+        _pump(sched, workers, events)
+    failed = {e.request_id: e for e in events if e.finish_reason == "error"}
+    assert set(failed) == {"a", "poison", "b"}  # all in the failed iteration
+    assert all(e.error_status == 500 and "RuntimeError" in e.error for e in failed.values())
+    assert w.engine.num_free_blocks == w.engine.num_total_blocks and not w.engine.running
+
+    sched.add_request(_sub("c", 6, 4, 3.0))
+    events = []
+    while sched.requests:
+        _pump(sched, workers, events)
+    assert [e.finish_reason for e in events if e.request_id == "c"][-1] == "length"
+    assert sum(len(e.token_ids) for e in events if e.request_id == "c") == 4
+
+    ended = []
+    monkeypatch.setattr(w.server, "fail", lambda reason: ended.append(reason))
+    for k in range(worker_server.MAX_FAILED_ITERATIONS):
+        sched.add_request(_sub(f"poison{k}", 6, 4, 4.0 + k))
+        monkeypatch.setattr(w.engine, "_run", lambda d, p: (_ for _ in ()).throw(
+            RuntimeError("broken")))
+        while sched.requests:
+            _pump(sched, workers, events)
+    assert len(ended) == 1 and "in a row" in ended[0]

@@ -11,6 +11,13 @@ cost less but woke twice an iteration, each wake-up taking a core from the engin
 mid-iteration. A thread renews the heartbeat every second with the current free K/V blocks. On
 SIGTERM it drains: it advertises `draining`, hands back any request it is asked to admit,
 finishes what it runs, deregisters and exits 0.
+
+An iteration whose engine step raises fails the requests the engine held (HTTP 500), frees
+their K/V blocks and the prefix cache, and the worker goes on: a request that breaks the engine
+(a poison pill) would otherwise end the worker, be moved to the next one by the scheduler and end
+it too, up to `--max-migrations` workers. Several failed iterations in a row, or blocks that do
+not all come back, mean the engine itself is broken: the worker leaves the fleet. A
+tensor-parallel leader leaves at once, its followers being out of step.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ from worker.engine import Engine, KVCacheFullError
 
 log = logging.getLogger("shoal.worker")
 
+MAX_FAILED_ITERATIONS = 3  # in a row: past it the engine is broken, not one request
+
 
 @dataclass
 class WorkerSettings:
@@ -51,6 +60,7 @@ class WorkerSettings:
     heartbeat_ttl_s: float = 3.0
     prefix: str = "shoal"
     served_model_name: str | None = None  # the model's name in the API (default: the file's)
+    contain_engine_failures: bool = True  # False for a tensor-parallel leader (see above)
 
 
 class _InFlight:
@@ -178,6 +188,7 @@ class WorkerServer:
         self._stopped = threading.Event()
         self.incarnation = uuid.uuid4().hex[:12]
         self._totals = metrics.EngineTotals()
+        self._failed_in_a_row = 0
 
     def info(self) -> WorkerInfo:
         e = self.engine
@@ -270,6 +281,8 @@ class WorkerServer:
         while True:
             try:
                 result = self.engine.step(plan)
+                if result.num_requests:  # an iteration that computed something went well
+                    self._failed_in_a_row = 0
                 break
             except KVCacheFullError:
                 # Preempt the newest request (recompute later), as vLLM does; admissions and
@@ -280,6 +293,10 @@ class WorkerServer:
                                                finish_reason="preempted"))
                 self.engine.release(victim)
                 plan = IterationPlan(plan.iteration, [], None, [])
+            except Exception as e:  # noqa: BLE001 - any engine failure, contained below
+                if not self.settings.contain_engine_failures:
+                    raise
+                return self._failed_iteration(plan, e, handed_back)
         metrics.observe_iteration(result.num_prefill_tokens, result.num_decode_tokens,
                                   result.step_seconds, self.engine.num_free_blocks,
                                   self.engine.num_total_blocks)
@@ -288,6 +305,35 @@ class WorkerServer:
                                self.engine.num_free_blocks, result.num_prefill_tokens,
                                result.num_decode_tokens, result.step_seconds, result.num_requests,
                                result.num_pending_prefill_tokens)
+
+
+    def _failed_iteration(self, plan: IterationPlan, e: Exception,
+                          handed_back: list[TokenOutput]) -> IterationResult:
+        """The result of an iteration whose engine step raised `e`: every request the engine
+        held, and the plan's admissions, finished with an error (status 500); the engine emptied
+        and its prefix cache forgotten (a block of the failed iteration may be half written).
+        Ends the worker (`fail`) after MAX_FAILED_ITERATIONS in a row, or when blocks stay
+        missing."""
+        self._failed_in_a_row += 1
+        log.exception("iteration %d failed (%d in a row); failing its requests", plan.iteration,
+                      self._failed_in_a_row, exc_info=e)
+        if self._failed_in_a_row >= MAX_FAILED_ITERATIONS:
+            self.fail(f"{self._failed_in_a_row} iterations in a row failed: {e!r}")
+        engine = self.engine
+        lost = {rid: seq.num_output_tokens for rid, seq in engine.running.items()}
+        for a in plan.admit:
+            lost.setdefault(a.request_id, len(a.output_token_ids))
+        for rid in list(engine.running):
+            engine.release(rid)
+        engine.reset_prefix_cache()
+        missing = engine.num_total_blocks - engine.num_free_blocks
+        if missing:
+            self.fail(f"the engine failed ({e!r}) and {missing} K/V blocks did not come back")
+        done = {o.request_id for o in handed_back}
+        error = f"the worker's engine failed running this request: {type(e).__name__}: {e}"
+        return IterationResult(self.worker_id, plan.iteration, handed_back + [
+            TokenOutput(rid, None, n, finish_reason="error", error=error, error_status=500)
+            for rid, n in lost.items() if rid not in done], engine.num_free_blocks)
 
 
 def default_worker_id() -> str:
