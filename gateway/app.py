@@ -31,12 +31,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import shoal
 from gateway import anthropic, metrics, tgi
-from gateway.batches import batches_router
+from gateway.batches import FILES_PATH, batches_router
 from gateway.jobs import Jobs, jobs_router
 from gateway.models import ModelCatalog, ServedModel
 from gateway.pages import pages_router
@@ -528,7 +529,10 @@ class GatewaySettings:
         api_keys: accepted `Authorization: Bearer` keys; empty means no authentication.
         public_paths: paths served without a key.
         max_waiting: new requests get 429 while the scheduler's pool holds this many.
-        max_body_bytes: larger request bodies get 400 (by their Content-Length).
+        max_body_bytes: larger request bodies get 413: by their Content-Length before they are
+            read, else (a chunked body) once that many bytes came (Starlette's
+            `RequestBodyLimitMiddleware`).
+        max_file_bytes: the same for uploads to `/v1/files` (batch input files).
         retry_after_s: the Retry-After header of a 429, in seconds.
         tool_call_parser: reads the replies of tool_choice "auto" (`gateway.tools`); None
             refuses "auto", as vLLM does without --enable-auto-tool-choice.
@@ -551,6 +555,7 @@ class GatewaySettings:
     public_paths: tuple[str, ...] = PUBLIC_PATHS
     max_waiting: int = 1024
     max_body_bytes: int = 4 << 20
+    max_file_bytes: int = 100 << 20
     retry_after_s: int = 1
     requests_per_minute: int = 0
     tokens_per_minute: int = 0
@@ -620,10 +625,13 @@ class _Guard:
             return _error_response(path, APIError(
                 "missing or invalid API key (Authorization: Bearer <key>, or x-api-key: <key>)",
                 status=401, code="invalid_api_key"))
+        # A body too large for its Content-Length is refused before it is read; a chunked one
+        # is cut by Starlette's limit (create_app) as it comes.
+        limit = settings.max_file_bytes if path == FILES_PATH else settings.max_body_bytes
         length = headers.get("content-length")
-        if length and length.isdigit() and int(length) > settings.max_body_bytes:
-            return _error_response(path, APIError(
-                f"the request body exceeds {settings.max_body_bytes} bytes"))
+        if length and length.isdigit() and int(length) > limit:
+            return _error_response(path, APIError(f"the request body exceeds {limit} bytes",
+                                                  status=413))
         return None
 
 
@@ -762,7 +770,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
     jobs = Jobs(redis_url, prefix, {"completions": CompletionRequest, "chat": ChatRequest,
                                     "responses": ResponsesRequest}, APIError)
     app.include_router(jobs_router(jobs, error_responses))
-    app.include_router(batches_router(jobs, error_responses))
+    app.include_router(batches_router(jobs, error_responses, settings.max_file_bytes))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -797,6 +805,11 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
     # Plain ASGI middleware, not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware relays
     # every chunk of a streamed response through a memory stream and a task group, per layer,
     # which made the gateway's CPU time per streamed token the largest part of its load.
+    # Inside the guard, which refuses a body too large by its Content-Length with our error
+    # body: Starlette's limit then cuts a chunked one as it comes (raising the error our
+    # handler answers), where FastAPI's own app-wide limit, outermost, answered in plain text.
+    # The uploads route raises it to --max-file-bytes.
+    app.add_middleware(RequestBodyLimitMiddleware, max_body_size=settings.max_body_bytes)
     app.add_middleware(_Guard, settings=settings)
     if tracer is not None:
         app.add_middleware(_TraceContext)

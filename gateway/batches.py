@@ -9,7 +9,8 @@ any job, behind interactive requests. A batch's status, counts and files are rea
   the ids `file-<hex>-output` and `file-<hex>-errors`: made when read, never stored twice.
 - Files and batches are kept `FILES_TTL_S` (30 days, as OpenAI keeps batch output files);
   deleting an input file does not stop a batch made from it. Uploads are bounded by the
-  gateway's `--max-body-bytes`.
+  gateway's `--max-file-bytes` (100 MiB by default; OpenAI's own limit for batch input files
+  is 200 MB).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.jobs import Jobs
 from shoal.jobs import ENDPOINTS
 
+FILES_PATH = "/v1/files"  # uploads: their own body limit
 FILES_TTL_S = 30 * 86400
 COMPLETION_WINDOW = "24h"  # the only one OpenAI offers; the fleet runs a batch as it can
 
@@ -47,9 +49,9 @@ def _hex(object_id: str, prefix: str) -> str | None:
     return object_id[len(prefix):] if object_id.startswith(prefix) else None
 
 
-def batches_router(jobs: Jobs, errors: Callable[..., dict]) -> APIRouter:
+def batches_router(jobs: Jobs, errors: Callable[..., dict], max_file_bytes: int) -> APIRouter:
     """The Files and Batch API routes over `jobs`; `errors` gives the OpenAPI `responses` of a
-    list of error statuses."""
+    list of error statuses; uploads of more than `max_file_bytes` get 413."""
     router = APIRouter()
     error = jobs.error
 
@@ -99,7 +101,7 @@ def batches_router(jobs: Jobs, errors: Callable[..., dict]) -> APIRouter:
                         kind="not_found_error")
         return found
 
-    @router.post("/v1/files", responses=errors(400, 401))
+    @router.post(FILES_PATH, responses=errors(400, 401, 413), max_body_size=max_file_bytes)
     async def upload(file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]):
         """A file for a batch (`purpose` "batch"): JSONL of requests in OpenAI's batch form."""
         if purpose != "batch":

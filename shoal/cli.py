@@ -260,7 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--public-metrics", action="store_true", help="serve /metrics without a key")
     gw.add_argument("--max-waiting", type=_positive_int, default=1024,
                     help="answer 429 while this many requests wait in the scheduler's pool")
-    gw.add_argument("--max-body-bytes", type=_positive_int, default=4 << 20)
+    gw.add_argument("--max-body-bytes", type=_positive_int, default=4 << 20,
+                    help="larger request bodies get 413 (default 4 MiB)")
+    gw.add_argument("--max-file-bytes", type=_positive_int, default=100 << 20,
+                    help="larger uploads to /v1/files (batch input) get 413 (default 100 MiB)")
     gw.add_argument("--requests-per-minute", type=int, default=0,
                     help="per API key (0 = no limit); answered with 429 beyond")
     gw.add_argument("--max-overflow-windows", type=_positive_int, default=8,
@@ -700,6 +703,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     public = PUBLIC_PATHS + (("/metrics",) if args.public_metrics else ())
     settings = GatewaySettings(api_keys=tuple(keys), public_paths=public,
                                max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+                               max_file_bytes=args.max_file_bytes,
                                requests_per_minute=args.requests_per_minute,
                                tokens_per_minute=args.tokens_per_minute,
                                max_overflow_windows=args.max_overflow_windows,

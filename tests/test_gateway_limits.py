@@ -20,7 +20,7 @@ APP_ORIGIN = "https://app.example"
 @pytest.fixture(scope="module")
 def guarded(fleet):
     with extra_gateway(fleet, "--api-key", KEY, "--max-waiting", "1",
-                       "--max-body-bytes", "20000",
+                       "--max-body-bytes", "20000", "--max-file-bytes", "60000",
                        "--allowed-origins", json.dumps([APP_ORIGIN]),
                        "--enable-request-id-headers") as url:
         yield url
@@ -215,7 +215,6 @@ def test_bad_input_is_400_never_500(guarded):
     cases = [
         (b"{not json", "application/json"),
         (json.dumps({"prompt": 5}).encode(), "application/json"),
-        (json.dumps({"prompt": "x" * 30000}).encode(), "application/json"),  # over 20,000 bytes
         (json.dumps({"prompt": "x", "top_p": 1.5}).encode(), "application/json"),
         (json.dumps({"messages": [{"role": "user"}]}).encode(), "application/json"),
     ]
@@ -225,6 +224,34 @@ def test_bad_input_is_400_never_500(guarded):
                        headers={**AUTH, "content-type": ctype}, timeout=30)
         assert r.status_code == 400, (raw[:60], r.status_code, r.text[:200])
         assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
+
+
+def test_bodies_past_the_limit_get_413_with_a_length_or_without(guarded):
+    """--max-body-bytes: a body whose Content-Length is past it is refused before it is read,
+    a chunked one once that many bytes came; batch input files have --max-file-bytes."""
+    big = json.dumps({"prompt": "x" * 30000}).encode()  # over 20,000 bytes
+    headers = {**AUTH, "content-type": "application/json"}
+    r = httpx.post(guarded + "/v1/completions", content=big, headers=headers, timeout=30)
+    assert r.status_code == 413 and "20000 bytes" in r.json()["error"]["message"]
+
+    def chunked():  # no Content-Length: the body comes in pieces
+        for i in range(0, len(big), 4096):
+            yield big[i:i + 4096]
+    r = httpx.post(guarded + "/v1/completions", content=chunked(), headers=headers, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["message"]
+
+    def batch(n: int) -> str:
+        return "\n".join(json.dumps({"custom_id": f"r{i}", "method": "POST",
+                                     "url": "/v1/completions",
+                                     "body": {"prompt": "x" * 100, "max_tokens": 1}})
+                         for i in range(n))
+    small, large = batch(200), batch(600)  # about 30 and 90 KB
+    r = httpx.post(guarded + "/v1/files", files={"file": ("b.jsonl", small)},
+                   data={"purpose": "batch"}, headers=AUTH, timeout=30)
+    assert r.status_code == 200 and r.json()["bytes"] == len(small) > 20000
+    r = httpx.post(guarded + "/v1/files", files={"file": ("b.jsonl", large)},
+                   data={"purpose": "batch"}, headers=AUTH, timeout=30)
+    assert r.status_code == 413 and "60000 bytes" in r.json()["error"]["message"]
 
 
 def test_prompt_longer_than_the_context_window(fleet):
