@@ -80,7 +80,8 @@ class RequestPreparation:
                 raise APIError("allowed_token_ids cannot be combined with a structured output",
                                param="allowed_token_ids")
             return SamplingParams(max_tokens=max_tokens, temperature=req.temperature,
-                                  top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed,
+                                  top_p=req.top_p, min_p=req.min_p, top_k=max(req.top_k, 0),
+                                  seed=req.seed,
                                   stop_token_ids=tuple(req.stop_token_ids or ()),
                                   allowed_token_ids=tuple(req.allowed_token_ids or ()),
                                   ignore_eos=req.ignore_eos,

@@ -174,6 +174,9 @@ class GenerationRequest(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1, le=INT32_MAX)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0,
+                         description="sample only tokens at least this share as likely as the "
+                         "most likely one (vLLM's; 0 disables)")
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool = False

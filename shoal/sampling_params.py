@@ -36,6 +36,9 @@ class SamplingParams:
         top_k: keep only the k most likely tokens; 0 or -1 disables.
         top_p: keep the smallest set of tokens whose probability reaches p (nucleus sampling,
             Holtzman et al. 2020); 1.0 disables.
+        min_p: keep only the tokens whose probability (at the temperature) is at least
+            `min_p` times the most likely one's (min-p sampling, Nguyen et al. 2024); 0
+            disables.
         seed: seeds this request's own random stream, so its tokens do not depend on what else
             shares the batch. None draws a seed at random.
         stop_token_ids: token ids that end the request (the token is kept in the output).
@@ -80,6 +83,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -105,6 +109,8 @@ class SamplingParams:
             raise InvalidSamplingParams(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidSamplingParams(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidSamplingParams(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_k < -1:
             raise InvalidSamplingParams(f"top_k must be -1, 0 or positive, got {self.top_k}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:

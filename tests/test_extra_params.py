@@ -79,6 +79,20 @@ def test_allowed_token_ids_are_the_only_tokens_sampled(fleet, oracle, tokenizer)
         assert re.fullmatch("( yes| no){6}", c["text"]), c["text"]
 
 
+def test_min_p_keeps_only_tokens_near_the_most_likely(fleet, oracle, tokenizer):
+    """vLLM's `min_p`: at 1 only the most likely token survives, so even a hot temperature gives
+    the greedy tokens; a small min_p still samples."""
+    prompt = "Once upon a time, in a land far away,"
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    greedy = tokenizer.decode(oracle(ids, 12), skip_special_tokens=True)
+    out = _complete(fleet, prompt=prompt, max_tokens=12, temperature=1.5, seed=4, min_p=1.0,
+                    n=2)
+    assert [c["text"] for c in out["choices"]] == [greedy, greedy]
+    out = _complete(fleet, prompt=prompt, max_tokens=12, temperature=1.5, seed=4, min_p=0.01,
+                    n=3)
+    assert any(c["text"] != greedy for c in out["choices"])
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(fleet, oracle, tokenizer):
     prompt = "The history of the city goes back many centuries, and its old town"
     ids = tokenizer.encode(prompt, add_special_tokens=False)
@@ -108,6 +122,7 @@ def test_chat_can_continue_the_final_message_or_open_no_turn(fleet, oracle, toke
     ("completions", {"allowed_token_ids": []}, "allowed_token_ids"),
     ("completions", {"stop_token_ids": [49152]}, "stop_token_ids"),
     ("completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("completions", {"min_p": 1.5}, "min_p"),
     ("chat", {"allowed_token_ids": [5], "structured_outputs": {"regex": "a"}},
      "allowed_token_ids"),
 ])

@@ -41,6 +41,24 @@ def test_temperature_sampling_follows_softmax(kernels):
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize(("temperature", "min_p", "top_k"), [(1.0, 0.2, 0), (0.6, 0.3, 0),
+                                                              (1.3, 0.1, 3)])
+def test_min_p_keeps_the_tokens_near_the_most_likely(kernels, temperature, min_p, top_k):
+    """Min-p against its definition: at the temperature, tokens less likely than min_p times
+    the most likely one are never drawn, the rest in proportion (then top-k, in vLLM's order)."""
+    logits = torch.randn(1, 12) * 1.5
+    p = SamplingParams(temperature=temperature, min_p=min_p, top_k=top_k, seed=0)
+    freq = _draw(logits, p, 4000, kernels=kernels)
+    probs = torch.softmax(logits[0] / temperature, -1)
+    kept = probs >= min_p * probs.max()
+    if top_k:
+        kept &= probs >= probs[kept].topk(min(top_k, int(kept.sum()))).values[-1]
+    expected = torch.where(kept, probs, 0.0)
+    expected /= expected.sum()
+    assert (freq[~kept] == 0).all() and (freq - expected).abs().max() < 0.03
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
 def test_top_k_and_top_p_cut_the_tail(kernels):
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05]]))
     freq = _draw(logits, SamplingParams(temperature=1.0, top_k=2), 2000, kernels=kernels)
@@ -268,7 +286,7 @@ def test_penalized_greedy_rows_pick_from_penalized_logits_and_report_raw_logprob
 
 
 @pytest.mark.parametrize("kw", [{"max_tokens": 0}, {"temperature": -1},
-                                {"temperature": float("nan")}, {"top_p": 0},
+                                {"temperature": float("nan")}, {"min_p": 1.5}, {"top_p": 0},
                                 {"top_p": 1.5}, {"top_k": -2}, {"min_tokens": 5, "max_tokens": 2},
                                 {"presence_penalty": 2.5}, {"frequency_penalty": -2.1},
                                 {"repetition_penalty": 0.0}, {"repetition_penalty": float("inf")},

@@ -2,7 +2,8 @@
 
 A request's logit bias and its penalties on tokens it has seen come first (bias, repetition,
 then frequency and presence, in vLLM's order). Greedy rows take the argmax. Other rows are
-scaled by temperature, cut to their top-k and top-p sets, and sampled by inverse transform: one
+scaled by temperature, cut to their min-p, top-k and top-p sets, and sampled by inverse
+transform: one
 uniform draw `u` from the request's own `torch.Generator` picks the first token whose cumulative
 probability reaches `u`. A request
 draws exactly one number per sampled token, so its tokens depend only on its seed and how many
@@ -22,6 +23,7 @@ thousands of tokens (near-flat logits) still ends in a full sort (170-200 ms for
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -87,8 +89,9 @@ class Sampler:
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
             idx = torch.tensor(sampled_rows)
-            tokens[idx] = self._sample(chosen[idx], [params[i] for i in sampled_rows],
-                                       [generators[i] for i in sampled_rows])
+            rows, sampled = chosen[idx], [params[i] for i in sampled_rows]  # rows: a copy
+            _apply_min_p(rows, sampled)
+            tokens[idx] = self._sample(rows, sampled, [generators[i] for i in sampled_rows])
         token_list = tokens.tolist()
         logprobs: list[float | None] = [None] * len(params)
         tops: list[list[list] | None] = [None] * len(params)
@@ -243,6 +246,27 @@ def _top_k_top_p_within(values: torch.Tensor, index: torch.Tensor, vocab: int,
     done = (top_k <= c).squeeze(1) | drop[:, -1] | (c == vocab)
     choice = _inverse_transform(values.masked_fill(drop, 0.0), u)
     return done, index.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+
+def _apply_min_p(rows: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Min-p sampling (Nguyen et al. 2024, as vLLM applies it, after the penalties and before
+    top-k and top-p): in place, set to -inf the logits of each row's tokens whose probability
+    at the row's temperature T is below `min_p` times its most likely token's. In logits that
+    is l < max(l) + T log(min_p), so the rows need not be normalized.
+
+    Args:
+        rows: `[rows, vocab]` float32 logits of sampled (not greedy) rows; changed in place.
+        params: each row's sampling parameters.
+    """
+    cut = [i for i, p in enumerate(params) if p.min_p > 0]
+    if not cut:
+        return
+    idx = torch.tensor(cut)
+    sub = rows[idx]
+    offset = torch.tensor([[params[i].temperature * math.log(params[i].min_p)] for i in cut],
+                          dtype=sub.dtype)
+    sub[sub < sub.max(dim=-1, keepdim=True).values + offset] = float("-inf")
+    rows[idx] = sub
 
 
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
