@@ -57,7 +57,7 @@ def test_fields_from_a_newer_build_are_ignored_at_every_level():
     env = _envelope(encode(_plan()))
     env["m"]["speculative_tokens"] = [1, 2]
     env["m"]["admit"][0]["priority_class"] = "gold"
-    env["m"]["admit"][0]["params"]["min_p"] = 0.1
+    env["m"]["admit"][0]["params"]["typical_p"] = 0.9
     assert decode(msgpack.packb(env)) == _plan()
     info = WorkerInfo("w0", "m", 10, 4, 16, 8, 2048, heartbeat_at=1.5)
     env = _envelope(encode(info))

@@ -306,7 +306,6 @@ class WorkerServer:
                                result.num_decode_tokens, result.step_seconds, result.num_requests,
                                result.num_pending_prefill_tokens)
 
-
     def _failed_iteration(self, plan: IterationPlan, e: Exception,
                           handed_back: list[TokenOutput]) -> IterationResult:
         """The result of an iteration whose engine step raised `e`: every request the engine
