@@ -627,12 +627,19 @@ class _Guard:
                 status=401, code="invalid_api_key"))
         # A body too large for its Content-Length is refused before it is read; a chunked one
         # is cut by Starlette's limit (create_app) as it comes.
-        limit = settings.max_file_bytes if path == FILES_PATH else settings.max_body_bytes
         length = headers.get("content-length")
-        if length and length.isdigit() and int(length) > limit:
-            return _error_response(path, APIError(f"the request body exceeds {limit} bytes",
-                                                  status=413))
+        if length and length.isdigit() and int(length) > _body_limit(settings, path):
+            return _error_response(path, _too_large(settings, path))
         return None
+
+
+def _body_limit(settings: GatewaySettings, path: str) -> int:
+    """The most bytes a request body to `path` may have."""
+    return settings.max_file_bytes if path == FILES_PATH else settings.max_body_bytes
+
+
+def _too_large(settings: GatewaySettings, path: str) -> APIError:
+    return APIError(f"the request body exceeds {_body_limit(settings, path)} bytes", status=413)
 
 
 class _TraceContext:
@@ -783,6 +790,8 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         # error body of ours.
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
         headers = getattr(e, "headers", None)
+        if e.status_code == 413:  # a chunked body cut by the limit, as the guard words it
+            return _error_response(request.url.path, _too_large(settings, request.url.path))
         if e.status_code == 405:
             # Starlette's Allow names the methods of the first route whose path matches; a
             # path served by a route per method (GET and DELETE /v1/responses/{id}) allows all.
