@@ -490,8 +490,12 @@ def test_an_engine_failure_fails_its_iterations_requests_not_the_worker(monkeypa
         sched.add_request(_sub(rid, 6, 4, float(i)))
     events: list = []
     workers = {"w": w}
+    from worker.metrics import FAILED_ITERATIONS
+
+    before = FAILED_ITERATIONS._value.get()
     while sched.requests:
         _pump(sched, workers, events)
+    assert FAILED_ITERATIONS._value.get() == before + 1  # shoal_engine_failed_iterations_total
     failed = {e.request_id: e for e in events if e.finish_reason == "error"}
     assert set(failed) == {"a", "poison", "b"}  # all in the failed iteration
     assert all(e.error_status == 500 and "RuntimeError" in e.error for e in failed.values())

@@ -26,6 +26,8 @@ STRUCTURED_OUTPUT_MASK_SECONDS = Counter(
     "Seconds iterations spent waiting for structured outputs' masks (built while the forward "
     "pass runs) and applying them")
 MODEL_LOAD_SECONDS = Gauge("shoal_model_load_seconds", "Time to load the model, in seconds")
+FAILED_ITERATIONS = Counter("shoal_engine_failed_iterations",
+                            "Iterations whose engine step raised: their requests failed (500)")
 
 
 def observe_iteration(num_prefill_tokens: int, num_decode_tokens: int, step_seconds: float,

@@ -314,6 +314,7 @@ class WorkerServer:
         Ends the worker (`fail`) after MAX_FAILED_ITERATIONS in a row, or when blocks stay
         missing."""
         self._failed_in_a_row += 1
+        metrics.FAILED_ITERATIONS.inc()
         log.exception("iteration %d failed (%d in a row); failing its requests", plan.iteration,
                       self._failed_in_a_row, exc_info=e)
         if self._failed_in_a_row >= MAX_FAILED_ITERATIONS:
