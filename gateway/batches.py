@@ -7,8 +7,9 @@ any job, behind interactive requests. A batch's status, counts and files are rea
   Batch API adds (the input file, the endpoint, the completion window, the metadata).
 - Its output and error files are its job's result lines without and with an `error`, under
   the ids `file-<hex>-output` and `file-<hex>-errors`: made when read, never stored twice.
-- Files and batches are kept `FILES_TTL_S` (30 days, as OpenAI keeps batch output files);
-  deleting an input file does not stop a batch made from it. Uploads are bounded by the
+- Files and batches are kept `FILES_TTL_S` (30 days, as OpenAI keeps batch output files), an
+  upload for its `expires_after` seconds when it gives them (OpenAI's: an hour to 30 days from
+  its creation); deleting an input file does not stop a batch made from it. Uploads are bounded by the
   gateway's `--max-file-bytes` (100 MiB by default; OpenAI's own limit for batch input files
   is 200 MB).
 """
@@ -31,6 +32,7 @@ from shoal.jobs import ENDPOINTS
 
 FILES_PATH = "/v1/files"  # uploads: their own body limit
 FILES_TTL_S = 30 * 86400
+MIN_FILE_TTL_S = 3600  # the shortest `expires_after` OpenAI's API takes
 COMPLETION_WINDOW = "24h"  # the only one OpenAI offers; the fleet runs a batch as it can
 
 
@@ -64,9 +66,9 @@ def batches_router(jobs: Jobs, errors: Callable[..., dict], max_file_bytes: int)
     # -- files ----------------------------------------------------------------------------------
 
     def file_object(file_id: str, size: int, created_at: float, filename: str,
-                    purpose: str) -> dict[str, Any]:
+                    purpose: str, ttl_s: int = FILES_TTL_S) -> dict[str, Any]:
         return {"id": file_id, "object": "file", "bytes": size, "created_at": int(created_at),
-                "expires_at": int(created_at + FILES_TTL_S), "filename": filename,
+                "expires_at": int(created_at + ttl_s), "filename": filename,
                 "purpose": purpose, "status": "processed"}
 
     def uploaded(file_id: str) -> tuple[dict[str, Any], bytes] | None:
@@ -75,7 +77,8 @@ def batches_router(jobs: Jobs, errors: Callable[..., dict], max_file_bytes: int)
             return None
         data = h[b"data"]
         return file_object(file_id, len(data), float(h[b"created_at"]),
-                           h[b"filename"].decode(), h[b"purpose"].decode()), data
+                           h[b"filename"].decode(), h[b"purpose"].decode(),
+                           int(h.get(b"ttl_s", FILES_TTL_S))), data
 
     def batch_file(file_id: str) -> tuple[dict[str, Any], bytes] | None:
         """A batch's output or error file, made from its job's results."""
@@ -102,11 +105,22 @@ def batches_router(jobs: Jobs, errors: Callable[..., dict], max_file_bytes: int)
         return found
 
     @router.post(FILES_PATH, responses=errors(400, 401, 413), max_body_size=max_file_bytes)
-    async def upload(file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]):
-        """A file for a batch (`purpose` "batch"): JSONL of requests in OpenAI's batch form."""
+    async def upload(file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()],
+                     anchor: Annotated[str | None, Form(alias="expires_after[anchor]")] = None,
+                     seconds: Annotated[int | None,
+                                        Form(alias="expires_after[seconds]")] = None):
+        """A file for a batch (`purpose` "batch"): JSONL of requests in OpenAI's batch form,
+        kept `expires_after[seconds]` after its creation (30 days when not given)."""
         if purpose != "batch":
             raise error('purpose must be "batch" (files are kept for batches only)',
                         param="purpose")
+        if (anchor is None) != (seconds is None) or anchor not in (None, "created_at"):
+            raise error('expires_after needs anchor "created_at" and seconds',
+                        param="expires_after")
+        ttl_s = FILES_TTL_S if seconds is None else seconds
+        if not MIN_FILE_TTL_S <= ttl_s <= FILES_TTL_S:
+            raise error(f"expires_after.seconds must be in [{MIN_FILE_TTL_S}, {FILES_TTL_S}]",
+                        param="expires_after")
         data = await file.read()
         file_id, now = f"file-{uuid.uuid4().hex}", time.time()
 
@@ -114,12 +128,13 @@ def batches_router(jobs: Jobs, errors: Callable[..., dict], max_file_bytes: int)
             pipe = r().pipeline(transaction=True)
             pipe.hset(keys().file(file_id), mapping={
                 "data": data, "filename": file.filename or "upload.jsonl", "purpose": purpose,
-                "created_at": now})
-            pipe.expire(keys().file(file_id), FILES_TTL_S)
+                "created_at": now, "ttl_s": ttl_s})
+            pipe.expire(keys().file(file_id), ttl_s)
             pipe.zadd(keys().files, {file_id: now})
             pipe.execute()
         await asyncio.to_thread(keep)
-        return file_object(file_id, len(data), now, file.filename or "upload.jsonl", purpose)
+        return file_object(file_id, len(data), now, file.filename or "upload.jsonl", purpose,
+                           ttl_s)
 
     @router.get("/v1/files", responses=errors(401))
     async def list_files():

@@ -210,6 +210,18 @@ def test_openais_batch_api_runs_a_file_of_requests_as_a_job(jobs_fleet, celery_w
                               completion_window="24h")
     with pytest.raises(openai.BadRequestError, match="purpose"):
         client.files.create(file=path.open("rb"), purpose="fine-tune")
+    # expires_after: kept an hour instead of 30 days (the key's TTL), within OpenAI's bounds.
+    hour = client.files.create(file=path.open("rb"), purpose="batch",
+                               expires_after={"anchor": "created_at", "seconds": 3600})
+    assert hour.expires_at == hour.created_at + 3600 == client.files.retrieve(hour.id).expires_at
+    import redis as redis_lib
+
+    ttl = redis_lib.Redis.from_url(jobs_fleet["redis"]).ttl(f"shoal:file:{hour.id}")
+    assert 3500 < ttl <= 3600
+    assert other.expires_at == other.created_at + 30 * 86400
+    with pytest.raises(openai.BadRequestError, match="expires_after"):
+        client.files.create(file=path.open("rb"), purpose="batch",
+                            expires_after={"anchor": "created_at", "seconds": 60})
 
     # Cancelled: cancelling while its running requests end, then cancelled, the requests that
     # never ran in the error file.
