@@ -606,18 +606,28 @@ class _Guard:
 
     def __init__(self, app: ASGIApp, settings: GatewaySettings) -> None:
         self.app, self.settings = app, settings
+        # A body with a Content-Length past the limit is refused here, before it is read, with
+        # our error body. One without (chunked) goes through Starlette's limit, which cuts it
+        # as it comes and raises the 413 our handler answers (the uploads route raises the
+        # limit to --max-file-bytes). Only those requests pay for its layer, which a streamed
+        # response would cross with every chunk; FastAPI's app-wide limit would also sit
+        # outermost and answer in plain text.
+        self.limited = RequestBodyLimitMiddleware(app, settings.max_body_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            refusal = self._refusal(scope)
+            headers = Headers(scope=scope)
+            refusal = self._refusal(scope, headers)
             if refusal is not None:
                 await refusal(scope, receive, send)
                 return
+            if "content-length" not in headers:
+                await self.limited(scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
-    def _refusal(self, scope: Scope) -> JSONResponse | None:
-        settings, headers = self.settings, Headers(scope=scope)
-        path = scope["path"]
+    def _refusal(self, scope: Scope, headers: Headers) -> JSONResponse | None:
+        settings, path = self.settings, scope["path"]
         # The public paths are pages and probes; POST / is TGI's API.
         public = path in settings.public_paths and scope["method"] in ("GET", "HEAD")
         if settings.api_keys and not public and not _key_ok(
@@ -625,8 +635,6 @@ class _Guard:
             return _error_response(path, APIError(
                 "missing or invalid API key (Authorization: Bearer <key>, or x-api-key: <key>)",
                 status=401, code="invalid_api_key"))
-        # A body too large for its Content-Length is refused before it is read; a chunked one
-        # is cut by Starlette's limit (create_app) as it comes.
         length = headers.get("content-length")
         if length and length.isdigit() and int(length) > _body_limit(settings, path):
             return _error_response(path, _too_large(settings, path))
@@ -814,11 +822,6 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
     # Plain ASGI middleware, not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware relays
     # every chunk of a streamed response through a memory stream and a task group, per layer,
     # which made the gateway's CPU time per streamed token the largest part of its load.
-    # Inside the guard, which refuses a body too large by its Content-Length with our error
-    # body: Starlette's limit then cuts a chunked one as it comes (raising the error our
-    # handler answers), where FastAPI's own app-wide limit, outermost, answered in plain text.
-    # The uploads route raises it to --max-file-bytes.
-    app.add_middleware(RequestBodyLimitMiddleware, max_body_size=settings.max_body_bytes)
     app.add_middleware(_Guard, settings=settings)
     if tracer is not None:
         app.add_middleware(_TraceContext)

@@ -9,9 +9,9 @@ any job, behind interactive requests. A batch's status, counts and files are rea
   the ids `file-<hex>-output` and `file-<hex>-errors`: made when read, never stored twice.
 - Files and batches are kept `FILES_TTL_S` (30 days, as OpenAI keeps batch output files), an
   upload for its `expires_after` seconds when it gives them (OpenAI's: an hour to 30 days from
-  its creation); deleting an input file does not stop a batch made from it. Uploads are bounded by the
-  gateway's `--max-file-bytes` (100 MiB by default; OpenAI's own limit for batch input files
-  is 200 MB).
+  its creation); deleting an input file does not stop a batch made from it. Uploads are
+  bounded by the gateway's `--max-file-bytes` (100 MiB by default; OpenAI's own limit for
+  batch input files is 200 MB).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from shoal.structured_output import InvalidStructuredOutput, StructuredOutput
 CONTEXT_OVERFLOW = ("error", "reevaluate", "shift")
 MAX_TOP_LOGPROBS = 20  # most alternatives reported per token (OpenAI's chat API caps it there)
 # Temperatures below this are greedy, as vLLM's `_SAMPLING_EPS`: dividing logits by them
-# overflows, and one below float32's smallest number (1e-46) reached the sampling kernels as 0.
+# overflows, and one below float32's smallest number (1.4e-45) reached the sampling kernels as 0.
 SAMPLING_EPS = 1e-5
 
 
