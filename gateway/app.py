@@ -277,11 +277,15 @@ class Gateway(RequestPreparation):
                     continue
                 if ev.index + len(ev.token_ids) <= next_index and ev.finish_reason is None:
                     continue  # a duplicate after a failover
-                skip = max(0, next_index - ev.index)
-                text = ""
+                first = end = max(0, next_index - ev.index)  # tokens already had: skipped
+                out, hit = "", False
                 now = time.perf_counter()
-                for t in ev.token_ids[skip:]:
-                    text += detok.add(t)
+                # Token by token: an event may carry several (--stream-interval), and a stop
+                # string ends the request at the token that completes it.
+                while end < len(ev.token_ids) and not hit:
+                    piece, hit = stops.feed(detok.add(ev.token_ids[end]))
+                    out += piece
+                    end += 1
                     if last_token_t is None:
                         first_token_t = now
                         ttft.observe(now - t0)
@@ -289,10 +293,12 @@ class Gateway(RequestPreparation):
                         itl.observe(now - last_token_t)
                     last_token_t = now
                     generated.inc()
-                next_index = max(next_index, ev.index + len(ev.token_ids))
-                if ev.finish_reason is not None:
-                    text += detok.flush()
-                out, hit = stops.feed(text)
+                next_index = max(next_index, ev.index + end)
+                if first or end < len(ev.token_ids):  # only the new tokens, up to a stop
+                    ev = _token_slice(ev, first, end)
+                if not hit and ev.finish_reason is not None:
+                    piece, hit = stops.feed(detok.flush())
+                    out += piece
                 if hit:
                     self._cancel_soon(p.request_id)
                     finished = replace(ev, finish_reason="stop", error=None, error_status=None,
@@ -508,6 +514,13 @@ def _prompt_logprobs(model: ServedModel, ids: list[int], c: _Choice, k: int
                                       "decoded_token": model.token_text(t)})
         out.append(entry)
     return out
+
+
+def _token_slice(ev: TokenEvent, start: int, end: int) -> TokenEvent:
+    """`ev` with only its tokens `start:end` (and their logprobs)."""
+    return replace(ev, index=ev.index + start, token_ids=ev.token_ids[start:end],
+                   logprobs=ev.logprobs[start:end],
+                   top_logprobs=None if ev.top_logprobs is None else ev.top_logprobs[start:end])
 
 
 def _error_chunk(ev: TokenEvent) -> dict[str, Any]:

@@ -90,6 +90,9 @@ class RequestState:
     migrations: int = 0  # times its worker was lost under it
     admitted_at: float | None = None  # Unix time of the first admission, for metrics and logs
     first_token_at: float | None = None
+    # Tokens generated but not yet published, under a `stream_interval` above 1 (one event, every
+    # token since the last published one); None when there are none.
+    held: TokenEvent | None = None
 
     _hashes: tuple[int, int, list[bytes]] | None = None  # (block size, tokens, their hashes)
 
@@ -169,13 +172,23 @@ class Scheduler:
         max_migrations: a request whose worker is lost more often than this fails.
         queue_deadline_s: a request still waiting this long after its arrival fails (0: never).
         priority_aging_s: seconds of waiting that raise a request by one priority level.
+        stream_interval: tokens a request's events carry (SGLang's `--stream-interval`): its
+            first token goes at once, then its tokens go `stream_interval` at a time, the rest
+            with its last event. Above 1 the gateways, Redis and this loop handle that many
+            times fewer events per token, for a burstier stream (`to_publish`).
+
+    Raises:
+        ValueError: an unknown policy or a `stream_interval` below 1.
     """
 
     def __init__(self, policy: str = "reserve", max_num_seqs: int = 256,
                  max_migrations: int = 3, queue_deadline_s: float = 0.0,
-                 priority_aging_s: float = 30.0) -> None:
+                 priority_aging_s: float = 30.0, stream_interval: int = 1) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, not {stream_interval}")
+        self.stream_interval = stream_interval
         self.policy = policy
         self.reserves = policy in ("reserve", "request-level")  # blocks for prompt + max_tokens
         self.max_num_seqs = max_num_seqs
@@ -238,9 +251,9 @@ class Scheduler:
             if s.migrations > self.max_migrations:
                 del self.requests[rid]
                 self.dropped.append(s)
-                failed.append(self._event(s, [], "error", f"request failed: its worker was lost "
-                                          f"{s.migrations} times (limit {self.max_migrations})",
-                                          status=503))
+                failed += self.to_publish(s, self._event(
+                    s, [], "error", f"request failed: its worker was lost {s.migrations} times "
+                    f"(limit {self.max_migrations})", status=503))
             else:
                 self._enqueue(s)
         return failed
@@ -489,8 +502,29 @@ class Scheduler:
                                 prompt_top_logprobs=out.prompt_top_logprobs,
                                 prompt_position=out.prompt_position,
                                 prompt_ranks=out.prompt_ranks)
-            events.append(event)
+            events += self.to_publish(s, event)
         return events
+
+    def to_publish(self, s: RequestState, event: TokenEvent) -> list[TokenEvent]:
+        """What to publish of request `s` now that `event` is its next: under a
+        `stream_interval` of N, its tokens are held (`RequestState.held`) until N are due, then
+        go as one event. The first token (TTFT), the last event (with whatever is held) and the
+        prompt's logprobs go at once; an error goes after what is held, in an event of its own
+        (the gateway ends a stream at an error without reading its tokens).
+
+        Held tokens are not yet saved for a successor either (the I/O loop saves what it
+        publishes): one that takes over computes them again, as it would for a lost worker."""
+        held, s.held = s.held, None
+        if held is not None:
+            if (event.prompt_logprobs is not None or event.finish_reason == "error"
+                    or event.token_ids and event.index != held.index + len(held.token_ids)):
+                return [held, *self.to_publish(s, event)]
+            event = _joined(held, event)
+        if (self.stream_interval > 1 and event.finish_reason is None and event.index > 0
+                and event.prompt_logprobs is None and len(event.token_ids) < self.stream_interval):
+            s.held = event
+            return []
+        return [event]
 
     def _unplace(self, s: RequestState) -> None:
         w = self.workers.get(s.worker_id or "")
@@ -512,3 +546,11 @@ class Scheduler:
             completion_tokens=len(s.output_token_ids), error_status=status,
             cached_tokens=s.cached_tokens, top_logprobs=None if top is None else [top],
         )
+
+
+def _joined(first: TokenEvent, then: TokenEvent) -> TokenEvent:
+    """One event for two consecutive events of a request: `first`'s tokens, then `then`'s, and
+    `then`'s finish and usage."""
+    tops = (first.top_logprobs or []) + (then.top_logprobs or [])
+    return replace(then, index=first.index, token_ids=first.token_ids + then.token_ids,
+                   logprobs=first.logprobs + then.logprobs, top_logprobs=tops or None)

@@ -117,12 +117,12 @@ class SchedulerServer:
     def __init__(self, redis_url: str, policy: str = "reserve", max_num_seqs: int = 256,
                  prefix: str = "shoal", max_migrations: int = 3, lease_ms: int = 3000,
                  queue_deadline_s: float = 0.0, priority_aging_s: float = 30.0,
-                 tracer: Any = None) -> None:
+                 tracer: Any = None, stream_interval: int = 1) -> None:
         self.redis = redis.Redis.from_url(redis_url)
         self.tracer = tracer  # spans of requests whose gateway traces them (shoal/tracing.py)
         self.keys = Keys(prefix)
         self.core = Scheduler(policy, max_num_seqs, max_migrations, queue_deadline_s,
-                              priority_aging_s)
+                              priority_aging_s, stream_interval)
         self.consumer = f"scheduler-{os.uname().nodename}-{os.getpid()}"
         self.lease_ms = lease_ms
         self._renew = self.redis.register_script(_RENEW)
@@ -183,7 +183,7 @@ class SchedulerServer:
         self._active = False
         c = self.core
         self.core = Scheduler(c.policy, c.max_num_seqs, c.max_migrations, c.queue_deadline_s,
-                              c.priority_aging_s)
+                              c.priority_aging_s, c.stream_interval)
         self.entry_ids.clear()
         self._reply_to.clear()
         self._published_waiting = -1

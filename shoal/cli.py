@@ -117,6 +117,13 @@ def _tool_call_parser(args: argparse.Namespace) -> str | None:
     return args.tool_call_parser
 
 
+def _add_stream_interval_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stream-interval", type=_positive_int, default=1, metavar="TOKENS",
+                   help="tokens per streamed event, as SGLang's: a request's first token goes at "
+                        "once, then its tokens go this many at a time (fewer events per token "
+                        "for the gateway, Redis and the client; a burstier stream)")
+
+
 def _add_tracing_arg(p: argparse.ArgumentParser) -> None:
     # OpenTelemetry's own variable is the default, so that a deployment turns tracing on in
     # every part by setting it in their environment.
@@ -211,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--rounds", type=_positive_int, default=5,
                     help="runs on each side, in turns; the medians are reported (default 5)")
     bf.add_argument("--quick", action="store_true", help="W64-quick (figures not meaningful)")
+    _add_stream_interval_arg(bf)
     bf.add_argument("--seed", type=int, default=0)
     bf.add_argument("--output", default="bench-results/fleet.json", help="JSON file for the figures")
     w = sub.add_parser("worker", help="a worker process: runs iterations planned by the scheduler")
@@ -240,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--priority-aging-s", type=float, default=30.0,
                    help="seconds of waiting that raise a request one priority level, so batch "
                         "work is never starved (0 = strict priority)")
+    _add_stream_interval_arg(s)
 
     gw = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
     gw.add_argument("--redis-url", required=True)
@@ -318,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prefix_caching_arg(u)
     _add_speculative_arg(u)
     u.add_argument("--policy", choices=POLICIES, default="reserve", help="the scheduler's policy")
+    _add_stream_interval_arg(u)
     u.add_argument("--jobs", action="store_true",
                    help="also start a Celery worker for batch jobs (/v1/jobs)")
     u.add_argument("--metrics-port-base", type=int, default=9400,
@@ -616,7 +626,7 @@ def _cmd_bench_fleet(args: argparse.Namespace) -> int:
     with _engine(path, cfg, args) as (engine, _):
         try:
             run_fleet_bench(engine, _engine_argv(args), args.threads, args.rounds, args.quick,
-                            args.seed, args.output)
+                            args.seed, args.output, args.stream_interval)
         except (RuntimeError, FileNotFoundError) as e:
             raise CLIError(str(e)) from e
     return 0
@@ -681,7 +691,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     serve_metrics(args.metrics_port)
     server = SchedulerServer(args.redis_url, args.policy, args.max_num_seqs, args.prefix,
                              args.max_migrations, args.lease_ms, args.queue_deadline,
-                             args.priority_aging_s, tracer)
+                             args.priority_aging_s, tracer, args.stream_interval)
     freeze_heap()
     return server.run()
 
@@ -818,6 +828,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         _tracer(args, None)  # refused here, not by the gateway and the scheduler as they start
         gateway_args += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
         scheduler_args += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+    if args.stream_interval != 1:
+        scheduler_args += ["--stream-interval", str(args.stream_interval)]
     for flag, value in (("--kv-cache-bytes", args.kv_cache_bytes),
                         ("--max-model-len", args.max_model_len), ("--threads", args.threads),
                         ("--speculative-config", args.speculative_config)):

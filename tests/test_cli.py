@@ -220,6 +220,11 @@ def test_up_gives_the_served_names_to_gateway_and_workers(monkeypatch, tmp_path)
     assert main(["up", "--otlp-traces-endpoint", "http://collector:4318/v1/traces"]) == 0
     assert seen["gateway"] == seen["scheduler"] == [
         "--otlp-traces-endpoint", "http://collector:4318/v1/traces"]
+    # The stream interval is the scheduler's alone; 0 tokens is refused.
+    assert main(["up", "--stream-interval", "4"]) == 0
+    assert seen["scheduler"] == ["--stream-interval", "4"] and seen["gateway"] == []
+    with pytest.raises(SystemExit):
+        main(["up", "--stream-interval", "0"])
 
 
 def test_engine_argv_gives_a_worker_the_same_engine():
@@ -232,9 +237,9 @@ def test_engine_argv_gives_a_worker_the_same_engine():
              "--kv-cache-memory-fraction", "0.2", "--max-model-len", "1024", "--enforce-eager",
              "--no-enable-prefix-caching", "--quantization", "int8",
              "--speculative-config", '{"num_speculative_tokens": 3}']
-    args = parser.parse_args(["bench", "fleet", *flags, "--rounds", "2"])
+    args = parser.parse_args(["bench", "fleet", *flags, "--rounds", "2", "--stream-interval", "4"])
     argv = _engine_argv(args)
-    assert "--rounds" not in argv
+    assert "--rounds" not in argv and "--stream-interval" not in argv
     worker = parser.parse_args(["worker", "--redis-url", "redis://x", *argv])
     assert _engine_config(worker) == _engine_config(args)
     assert _engine_config(worker) != _engine_config(parser.parse_args(["worker", "--redis-url", "x"]))

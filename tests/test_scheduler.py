@@ -202,6 +202,66 @@ def test_dead_worker_requests_return_to_the_pool_with_their_tokens():
     assert [tokens[i] for i in range(10)] == [t for e in ev2 for t in e.token_ids]
 
 
+def _run_alone(sched: Scheduler, subs: list, num_blocks: int = 100) -> list:
+    w = SimWorker("w", num_blocks)
+    sched.update_worker(w.info())
+    for sub in subs:
+        sched.add_request(sub)
+    events: list = []
+    while sched.requests:
+        _pump(sched, {"w": w}, events)
+    return events
+
+
+def test_stream_interval_sends_the_first_token_at_once_then_tokens_in_groups():
+    """`stream_interval` 4: each request's first token alone, then events of 4 tokens, the last
+    event with the rest; the same tokens, indexes and usage as events of one token each."""
+    subs = [_sub("a", 8, 11, 0.0), _sub("b", 6, 2, 1.0), _sub("c", 9, 5, 2.0)]
+    each = _run_alone(Scheduler("reserve"), subs)
+    grouped = _run_alone(Scheduler("reserve", stream_interval=4), subs)
+    for rid, max_tokens in (("a", 11), ("b", 2), ("c", 5)):
+        one = [e for e in each if e.request_id == rid and (e.token_ids or e.finish_reason)]
+        four = [e for e in grouped if e.request_id == rid and (e.token_ids or e.finish_reason)]
+        assert [len(e.token_ids) for e in one] == [1] * max_tokens
+        sizes = [1] + [4] * ((max_tokens - 1) // 4) + ([(max_tokens - 1) % 4]
+                                                       if (max_tokens - 1) % 4 else [])
+        assert [len(e.token_ids) for e in four] == sizes, rid
+        assert [t for e in four for t in e.token_ids] == [t for e in one for t in e.token_ids]
+        assert [e.index for e in four] == [sum(sizes[:k]) for k in range(len(sizes))]
+        assert [len(e.logprobs) for e in four] == sizes
+        assert four[-1].finish_reason == one[-1].finish_reason == "length"
+        assert four[-1].completion_tokens == max_tokens
+        assert all(e.finish_reason is None for e in four[:-1])
+    with pytest.raises(ValueError, match="stream_interval"):
+        Scheduler("reserve", stream_interval=0)
+
+
+def test_held_tokens_go_before_an_error_and_survive_a_lost_worker():
+    """Tokens held under a `stream_interval` are published ahead of a request's failure (in an
+    event of their own: the gateway reads no tokens from an error), and a request moved off a
+    lost worker keeps holding them and goes on from them."""
+    sched = Scheduler("reserve", max_migrations=1, stream_interval=8)
+    a, b, c = SimWorker("a", 50), SimWorker("b", 50), SimWorker("c", 50)
+    for w in (a, b, c):
+        sched.update_worker(w.info())
+    sched.add_request(_sub("r", 10, 30, 0.0))
+    events: list = []
+    for _ in range(4):
+        _pump(sched, {"a": a}, events)
+    assert [len(e.token_ids) for e in events if e.token_ids] == [1]  # the rest is held
+    assert sched.requests["r"].held is not None
+    assert sched.remove_worker("a") == []  # back to the pool: still held
+    for _ in range(4):
+        _pump(sched, {"b": b}, events)
+    held = len(sched.requests["r"].output_token_ids) - 1
+    assert held >= 4 and len(sched.requests["r"].held.token_ids) == held
+    failed = sched.remove_worker("b")  # its second migration: over the limit
+    assert [(len(e.token_ids), e.finish_reason) for e in failed] == [(held, None), (0, "error")]
+    assert failed[0].index == 1
+    assert [t for e in events + failed for t in e.token_ids] == \
+        sched.dropped[-1].output_token_ids
+
+
 def test_ondemand_preempts_and_recomputes():
     """Under `ondemand` a worker that runs out hands its newest request back; it is recomputed
     and finishes with every token index exactly once."""

@@ -94,15 +94,17 @@ class _Fleet:
     """A scheduler server in a thread, against a real redis-server, and one worker that the test
     plays by hand (it pops plans and pushes results)."""
 
-    def __init__(self, redis_url: str, max_num_batched_tokens: int = 2048) -> None:
+    def __init__(self, redis_url: str, max_num_batched_tokens: int = 2048,
+                 stream_interval: int = 1, model: str = "m") -> None:
         self.keys = Keys()
         self.r = redis.Redis.from_url(redis_url, socket_timeout=60)
-        info = WorkerInfo("w-sim", "m", 1000, 1000, 16, 256, 8192, 0, False, "inc-1", time.time(),
+        info = WorkerInfo("w-sim", model, 1000, 1000, 16, 256, 8192, 0, False, "inc-1", time.time(),
                           max_num_batched_tokens)
         self.r.sadd(self.keys.workers, "w-sim")
         self.r.hset(self.keys.worker("w-sim"), "info", encode(info))
         self.r.set(self.keys.alive("w-sim"), b"1", px=600_000)
-        self.server = scheduler_server.SchedulerServer(redis_url, lease_ms=600_000)
+        self.server = scheduler_server.SchedulerServer(redis_url, lease_ms=600_000,
+                                                       stream_interval=stream_interval)
         self.loop = threading.Thread(target=self.server.run, args=(False,), daemon=True)
         self.loop.start()
         reset = self.next_plan()
@@ -198,3 +200,91 @@ def test_a_decode_iteration_costs_the_scheduler_one_round_trip(redis_url, monkey
             str(100 + i).encode() for i in range(8)]
     finally:
         fleet.stop()
+
+
+def test_a_stream_interval_publishes_and_saves_tokens_in_groups(redis_url, monkeypatch):
+    """`--stream-interval 3`: the gateway's channel gets the first token alone, then one event
+    per 3 tokens, the rest with the finish; a successor's progress list holds exactly what was
+    published (held tokens are computed again after a takeover, never lost to the client)."""
+    monkeypatch.setattr(scheduler_server, "WAIT_S", 600.0)
+    fleet = _Fleet(redis_url, stream_interval=3)
+    sub = fleet.r.pubsub()
+    sub.subscribe("reply")
+    try:
+        fleet.answer(IterationPlan(iteration=0))
+        fleet.submit("a", 20, max_tokens=9)
+        queued = [fleet.next_plan(), fleet.next_plan(timeout=5)]
+        published: list = []
+
+        def drain(seconds: float) -> None:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                m = sub.get_message(timeout=0.05)
+                if m is not None and m["type"] == "message":
+                    published.extend(decode(m["data"]).events)
+
+        for index in range(9):
+            fleet.answer(queued.pop(0), [TokenOutput("a", 100 + index, index,
+                                                     finish_reason="length" if index == 8 else None)],
+                         num_decode_tokens=1, num_requests=1)
+            if index < 8:
+                queued.append(fleet.next_plan())
+            if index == 5:  # tokens 0..3 published; 4 and 5 held
+                drain(0.3)
+                assert fleet.r.lrange(fleet.keys.progress("a"), 0, -1) == [
+                    str(100 + i).encode() for i in range(4)]
+        drain(0.5)
+        assert [(e.index, e.token_ids, e.finish_reason) for e in published] == [
+            (0, [100], None), (1, [101, 102, 103], None), (4, [104, 105, 106], None),
+            (7, [107, 108], "length")]
+        assert published[-1].completion_tokens == 9
+    finally:
+        sub.close()
+        fleet.stop()
+
+
+def test_the_gateway_ends_a_grouped_event_at_the_token_that_completes_a_stop(redis_url,
+                                                                           monkeypatch):
+    """Under `--stream-interval 4` a stop string can complete mid-event: the gateway cuts the
+    text there, counts the tokens up to that one (as with events of one token), and hands on
+    only those tokens."""
+    monkeypatch.setattr(scheduler_server, "WAIT_S", 600.0)
+
+    async def scenario() -> list:
+        gw = Gateway(redis_url, None)
+        await gw.start()
+        fleet = _Fleet(redis_url, stream_interval=4, model=gw.catalog.default.name)
+        tokenizer = gw.catalog.default.tokenizer
+        ids = tokenizer.encode(" one two three. four five six seven", add_special_tokens=False)
+        p = gw.prepare_completion(CompletionRequest(prompt="Count:", max_tokens=len(ids),
+                                                    stop=["."]))[1][0]
+
+        def worker() -> None:  # one token an iteration until the request is dropped
+            fleet.answer(IterationPlan(iteration=0))
+            queued = [fleet.next_plan(), fleet.next_plan(timeout=5)]
+            for index, t in enumerate(ids):
+                fleet.answer(queued.pop(0), [TokenOutput(p.request_id, t, index)],
+                             num_decode_tokens=1, num_requests=1)
+                item = fleet.r.blpop([fleet.keys.plans("w-sim")], timeout=2)
+                if item is None or p.request_id not in fleet.server.core.requests:
+                    return
+                queued.append(decode(item[1]))
+
+        sim = threading.Thread(target=worker, daemon=True)
+        sim.start()
+        try:
+            out = [item async for item in gw.run(p)]
+        finally:
+            sim.join(10)
+            fleet.stop()
+            await gw.stop()
+        return [ids, out, tokenizer]
+
+    ids, out, tokenizer = asyncio.run(scenario())
+    stop_at = next(k for k in range(len(ids)) if "." in tokenizer.decode(ids[:k + 1]))
+    assert stop_at >= 2, "the stop must fall past the first event's token"
+    assert "".join(piece for piece, _ in out) == " one two three"
+    last = out[-1][1]
+    assert last.finish_reason == "stop" and last.completion_tokens == stop_at + 1
+    assert [t for _, ev in out for t in ev.token_ids] == ids[:stop_at + 1]
+    assert len(out[0][1].token_ids) == 1 and len(out[1][1].token_ids) > 1  # grouped

@@ -126,10 +126,11 @@ def _peak_rss_bytes(pid: int) -> int | None:
 
 
 def run_fleet_bench(engine: Engine, worker_args: list[str], threads: int | None, rounds: int,
-                    quick: bool, seed: int, output: str) -> dict:
+                    quick: bool, seed: int, output: str, stream_interval: int = 1) -> dict:
     """Run the workload (W64, or W64-quick with `quick`) `rounds` times in-process on `engine`
-    and through a fleet whose worker runs with `worker_args` (the engine's flags) and `threads`,
-    in turns; print a table and write the figures as JSON to `output`.
+    and through a fleet whose worker runs with `worker_args` (the engine's flags) and `threads`
+    and whose scheduler streams `stream_interval` tokens an event, in turns; print a table and
+    write the figures as JSON to `output`.
 
     Returns the figures: each round's tokens/s on both sides and their ratio, the medians, the
     median ratio (`fleet_share`), CPU seconds per fleet process per run (medians) and the peak
@@ -155,7 +156,8 @@ def run_fleet_bench(engine: Engine, worker_args: list[str], threads: int | None,
             open(log_path, "w") as log:
         metrics_base = _metrics_port_base()
         fleet = start_fleet("127.0.0.1", free_port(), 1, None, worker_args, threads,
-                            metrics_port_base=metrics_base, log=log)
+                            metrics_port_base=metrics_base, log=log,
+                            scheduler_args=["--stream-interval", str(stream_interval)])
     metrics_url = f"http://127.0.0.1:{metrics_base + 1}/metrics"
     try:
         with console.status("warming up both"):
@@ -185,7 +187,8 @@ def run_fleet_bench(engine: Engine, worker_args: list[str], threads: int | None,
 
     cpu_parts = results[0]["fleet"]["cpu_seconds"].keys()
     figures = {
-        "workload": workload.name, "seed": seed, "rounds": results,
+        "workload": workload.name, "seed": seed, "stream_interval": stream_interval,
+        "rounds": results,
         "engine_tokens_per_s": median("engine"), "fleet_tokens_per_s": median("fleet"),
         "iterations": {side: median_of(side, "iterations") for side in ("engine", "fleet")},
         "engine_seconds": {side: median_of(side, "engine_seconds") for side in ("engine", "fleet")},
@@ -197,7 +200,8 @@ def run_fleet_bench(engine: Engine, worker_args: list[str], threads: int | None,
         "engine_process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
 
-    table = Table(title=f"shoal bench fleet ({workload.name}, generated tokens/s)")
+    interval = "" if stream_interval == 1 else f", --stream-interval {stream_interval}"
+    table = Table(title=f"shoal bench fleet ({workload.name}{interval}, generated tokens/s)")
     for col in ("round", "in-process", "fleet", "fleet / in-process"):
         table.add_column(col, justify="right")
     for i, r in enumerate(results):
