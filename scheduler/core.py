@@ -302,7 +302,7 @@ class Scheduler:
             if now - s.sub.arrival_time > self.queue_deadline_s and s.admitted_at is None:
                 del self.requests[s.sub.request_id]
                 self.dropped.append(s)
-                self.failed.append(self._event(
+                self.failed += self.to_publish(s, self._event(
                     s, [], "error", f"the request waited more than {self.queue_deadline_s:g} s "
                     "for a worker", status=503))
             else:
@@ -380,7 +380,7 @@ class Scheduler:
                 self._dequeue(i)
                 del self.requests[s.sub.request_id]
                 self.dropped.append(s)
-                self.failed.append(self._event(
+                self.failed += self.to_publish(s, self._event(
                     s, [], "error", f"the request needs {need} K/V blocks (prompt + max_tokens); "
                     f"the largest worker has {largest}", status=400))
                 continue

@@ -13,7 +13,6 @@ import pytest
 
 from tests.conftest import running_fleet
 
-
 # A 32-token window, and at most two windows past it, keep every generated request short: the
 # fuzzed requests mostly run to the window, and generating them was half of schemathesis's time
 # (88 of 178 s on a 2-core Zen 3 with a 48-token window).
