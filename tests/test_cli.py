@@ -249,13 +249,17 @@ def test_engine_argv_gives_a_worker_the_same_engine():
 def test_bench_fleet_quick_runs_both_sides_in_turns(tmp_path):
     """The workload in-process and through a real fleet (Redis, scheduler, worker, gateway as
     processes), in turns: both generate every token of every request, and the share is the
-    median of the rounds' ratios."""
+    median of the rounds' ratios. The fleet's scheduler streams 2 tokens an event
+    (`--stream-interval`): the client still gets every token (every other test's fleet
+    streams one an event)."""
     from shoal.workloads import W64_QUICK, make_requests
 
     out = tmp_path / "fleet.json"
-    r = _shoal("bench", "fleet", "--quick", "--rounds", "2", "--output", str(out), timeout=600)
+    r = _shoal("bench", "fleet", "--quick", "--rounds", "2", "--stream-interval", "2",
+               "--output", str(out), timeout=600)
     assert r.returncode == 0, r.stderr
     figures = json.loads(out.read_text())
+    assert figures["stream_interval"] == 2
     reqs = make_requests(W64_QUICK, 49152, 0)
     expected = sum(q.max_tokens for q in reqs)
     rounds = figures["rounds"]
