@@ -10,6 +10,7 @@ import time
 
 import pytest
 import redis
+import redis.asyncio
 
 import scheduler.server as scheduler_server
 from gateway.app import Gateway
@@ -20,6 +21,8 @@ from shoal.messages import (
     IterationPlan,
     IterationResult,
     RequestSubmission,
+    TokenEvent,
+    TokenEvents,
     TokenOutput,
     WorkerInfo,
     decode,
@@ -288,3 +291,56 @@ def test_the_gateway_ends_a_grouped_event_at_the_token_that_completes_a_stop(red
     assert last.finish_reason == "stop" and last.completion_tokens == stop_at + 1
     assert [t for _, ev in out for t in ev.token_ids] == ids[:stop_at + 1]
     assert len(out[0][1].token_ids) == 1 and len(out[1][1].token_ids) > 1  # grouped
+
+
+def test_the_gateway_hands_on_only_the_new_tokens_of_a_replayed_event(redis_url):
+    """After a failover the scheduler that takes over publishes again tokens the client may have
+    had: the gateway skips an event wholly seen, and of one that overlaps hands on (text, token
+    ids, logprobs, index) only the tokens past what it had."""
+
+    async def scenario() -> tuple[list, list[int], object]:
+        gw = Gateway(redis_url, None)
+        await gw.start()
+        tokenizer = gw.catalog.default.tokenizer
+        ids = tokenizer.encode(" alpha beta gamma delta epsilon", add_special_tokens=False)
+        assert len(ids) >= 5
+        lp = [-0.5 - k for k in range(len(ids))]  # token k's logprob, told apart by value
+        p = gw.prepare_completion(CompletionRequest(prompt="Say:", max_tokens=len(ids),
+                                                    logprobs=1))[1][0]
+        rid = p.request_id
+
+        def ev(start: int, end: int, **kw) -> TokenEvent:
+            return TokenEvent(rid, start, ids[start:end], lp[start:end], **kw)
+
+        published = [
+            [ev(0, 2)],
+            [ev(0, 1)],  # wholly seen: skipped
+            [ev(1, 4)],  # the successor's replay from index 1: only 2 and 3 are new
+            [ev(2, 3)],  # seen again
+            [ev(4, len(ids), finish_reason="length", prompt_tokens=3,
+                completion_tokens=len(ids))],
+        ]
+        collected = asyncio.ensure_future(_collect(gw.run(p)))
+        try:
+            while rid not in gw.queues:
+                await asyncio.sleep(0.01)
+            pub = redis.asyncio.Redis.from_url(redis_url)
+            for events in published:
+                await pub.publish(gw.channel, encode(TokenEvents(events)))
+            await pub.aclose()
+            out = await asyncio.wait_for(collected, 30)
+        finally:
+            await gw.stop()
+        return out, ids, tokenizer
+
+    out, ids, tokenizer = asyncio.run(scenario())
+    evs = [e for _, e in out]
+    assert [t for e in evs for t in e.token_ids] == ids
+    assert [e.index for e in evs] == [0, 2, 4]
+    assert [x for e in evs for x in e.logprobs] == [-0.5 - k for k in range(len(ids))]
+    assert "".join(piece for piece, _ in out) == tokenizer.decode(ids)
+    assert evs[-1].finish_reason == "length" and evs[-1].completion_tokens == len(ids)
+
+
+async def _collect(events) -> list:
+    return [item async for item in events]
