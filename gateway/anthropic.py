@@ -9,10 +9,10 @@ chat API's, `stop_sequences` its stop strings; the reply becomes a message of `t
 - A last message from the assistant is a prefill: the reply goes on from its text (chat's
   `continue_final_message`) and holds only what the model added.
 - Tool use is made as chat makes it (gateway/tools.py): `{"type": "tool"}` and `"any"` constrain
-  the reply; `"auto"` (the default with tools) needs the gateway's tool-call parser. Streamed, a
-  forced tool's input comes piece by piece as it is generated; with `"auto"` the text streams
-  until a call begins and the calls come whole once the reply is complete, as with `"any"`
-  every block does.
+  the reply; `"auto"` (the default with tools) needs the gateway's tool-call parser. Streamed,
+  the input of a call `"tool"` or `"any"` forces comes piece by piece as it is generated; with
+  `"auto"` the text streams until a call begins and the calls come whole once the reply is
+  complete.
 - `usage` counts as Anthropic does: `input_tokens` are the prompt tokens computed, and
   `cache_read_input_tokens` those found in the prefix cache (their sum is the prompt).
 - Errors on these paths have Anthropic's body, `{"type": "error", "error": {"type",
@@ -360,14 +360,19 @@ class MessageShape:
         """The reply's content blocks: its text, then its tool calls as tool_use blocks."""
         calls, text = self.tools.message(0, text) if self.tools else (None, text)
         blocks = [{"type": "text", "text": text}] if text or not calls else []
-        for c in calls or ():
+        for k, c in enumerate(calls or ()):
             try:
                 arguments = json.loads(c["function"]["arguments"])
             except ValueError:  # a parsed call whose arguments are not JSON
                 arguments = {"arguments": c["function"]["arguments"]}
-            blocks.append({"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}",
-                           "name": c["function"]["name"], "input": arguments})
+            blocks.append(self.tool_use(k, c["function"]["name"], arguments))
         return blocks
+
+    def tool_use(self, k: int, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        """Call `k`'s tool_use block (its id the same in the stream and the message)."""
+        assert self.tools is not None
+        return {"type": "tool_use", "id": "toolu_" + self.tools.call_id(0, k)[5:],
+                "name": name, "input": arguments}
 
     @staticmethod
     def stop_reason(last: TokenEvent, stop_sequence: str | None,
@@ -409,7 +414,9 @@ class MessageShape:
         delta per piece, its stop): the text, or the call a `tool` tool_choice forces, its
         input as JSON text piece by piece. With `auto`, the text streams until a call begins
         (`ToolCalls.delta` holds back what could begin one), and the calls follow whole once
-        the reply is complete; with `any`, every block (start, one delta, stop) comes then.
+        the reply is complete; with `any`, each call's block starts once its name is written,
+        its input streams, and it stops when the input closes (a reply cut short before any
+        call began comes whole at the end, as a text block).
         Then message_delta (stop reason, output tokens) and message_stop. A failure ends the
         stream with an `error` event."""
         group: list[dict[str, Any]] = [{"type": "message_start",
@@ -418,8 +425,7 @@ class MessageShape:
             block: dict[str, Any] | None = {"type": "text", "text": ""}
             field = ("text_delta", "text")
         elif self.tools.mode == "named":
-            block = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}",
-                     "name": self.tools.name, "input": {}}
+            block = self.tool_use(0, self.tools.name, {})
             field = ("input_json_delta", "partial_json")
         else:
             block = None
@@ -430,6 +436,8 @@ class MessageShape:
             return [{"type": "content_block_delta", "index": 0,
                      "delta": {"type": field[0], field[1]: piece}}] if piece else []
         auto = self.tools is not None and self.tools.mode == "auto"
+        required = self.tools is not None and self.tools.mode == "required"
+        still_open: set[int] = set()  # with required: the calls' blocks not yet stopped
         sent = ""  # with auto: the text streamed so far, in a text block opened by its start
         text = ""
         async with contextlib.aclosing(run) as stream:  # leaving early cancels the request
@@ -438,6 +446,17 @@ class MessageShape:
                     status = ev.error_status or 503
                     yield [*group, error_body(status, ev.error or "generation failed")], True
                     return
+                for kind, k, value in self.tools.feed(0, piece) if required else ():
+                    if kind == "open":
+                        still_open.add(k)
+                        group.append({"type": "content_block_start", "index": k,
+                                      "content_block": self.tool_use(k, value, {})})
+                    elif kind == "arguments":
+                        group.append({"type": "content_block_delta", "index": k, "delta": {
+                            "type": "input_json_delta", "partial_json": value}})
+                    else:
+                        still_open.discard(k)
+                        group.append({"type": "content_block_stop", "index": k})
                 if ev.finish_reason is None:
                     text += piece
                     if block is not None:
@@ -456,6 +475,9 @@ class MessageShape:
                 if block is not None:  # the last piece, without the stop sequence
                     group += streamed(self.split(text + piece, ev)[0][len(text):])
                     group.append({"type": "content_block_stop", "index": 0})
+                elif required and self.tools.called(0):  # cut short: the open calls end
+                    group += [{"type": "content_block_stop", "index": k}
+                              for k in sorted(still_open)]
                 else:
                     content = done["content"]
                     if sent:  # the streamed text block: the rest of its text, and its end

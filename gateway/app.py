@@ -1073,7 +1073,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                 if tools is not None:
                     texts[i] += piece
                     delta = tools.delta(i, piece, texts[i], reason is not None) or {}
-                    reason = tools.finish_reason(reason, delta.get("tool_calls"))
+                    reason = tools.finish_reason(reason, tools.called(i))
                 return {"index": i, "delta": delta,
                         "logprobs": logprobs(ev.token_ids, ev.logprobs, ev.top_logprobs),
                         "finish_reason": reason}

@@ -46,7 +46,7 @@ from gateway.schemas import (
     refusals_named,
     unsupported,
 )
-from gateway.tools import ToolCalls
+from gateway.tools import CallArrayReader, ToolCalls
 from shoal.keys import Keys
 from shoal.messages import TokenEvent
 
@@ -270,8 +270,19 @@ class ResponseShape:
         self.req, self.model, self.tools = req, model, tools
         self.id = f"resp_{uuid.uuid4().hex}"
         self.item_id = f"msg_{uuid.uuid4().hex}"
-        self.call_item_id = f"fc_{uuid.uuid4().hex}"  # the one call a named tool_choice makes
+        self._call_items: dict[int, str] = {}  # call index -> its item's id
         self.created_at = int(time.time())
+
+    def call_item_id(self, k: int) -> str:
+        """The id of the item of call `k` (the same in the stream and the final response)."""
+        return self._call_items.setdefault(k, f"fc_{uuid.uuid4().hex}")
+
+    def call_item(self, k: int, name: str, arguments: str, status: str) -> dict[str, Any]:
+        """The function_call item of call `k`."""
+        assert self.tools is not None
+        return {"type": "function_call", "id": self.call_item_id(k),
+                "call_id": self.tools.call_id(0, k), "name": name, "arguments": arguments,
+                "status": status}
 
     def body(self, text: str, last: TokenEvent | None, usage: dict[str, Any] | None
              ) -> dict[str, Any]:
@@ -311,16 +322,24 @@ class ResponseShape:
 
     def output(self, text: str, status: str) -> list[dict[str, Any]]:
         """The output items of a finished reply: its function calls (each an item, after the
-        message the model wrote before them, if any), or the assistant's message (also when
-        the calls' text was cut short)."""
+        message the model wrote before them, if any), or the assistant's message. A "required"
+        reply cut short is the calls it had begun (the last "incomplete", its arguments as far
+        as they came), or the message when it began none; other calls cut short are the
+        message."""
         calls, content = self.tools.message(0, text) if self.tools else (None, text)
+        if not calls and self.tools is not None and self.tools.mode == "required":
+            reader = CallArrayReader()
+            reader.feed(text)
+            begun = [self.call_item(k, c.name, reader.arguments(k),
+                                    "incomplete" if c.end is None else "completed")
+                     for k, c in enumerate(reader.calls) if c.name is not None]
+            if begun:
+                return begun
         if not calls:
             return [self.message(content or "", status)]
-        named = self.tools is not None and self.tools.mode == "named"
         return ([self.message(content, status)] if content else []) + [
-            {"type": "function_call", "id": self.call_item_id if named else f"fc_{uuid.uuid4().hex}",
-             "call_id": c["id"], "name": c["function"]["name"],
-             "arguments": c["function"]["arguments"], "status": "completed"} for c in calls]
+            self.call_item(k, c["function"]["name"], c["function"]["arguments"], "completed")
+            for k, c in enumerate(calls)]
 
     def message(self, text: str, status: str) -> dict[str, Any]:
         """The output's one item: the assistant's message."""
@@ -344,9 +363,10 @@ class ResponseShape:
         events of the call a named tool_choice forces as its arguments come (item added, a
         delta per piece, arguments and item done). With "auto", the message's text streams
         until a call begins (`ToolCalls.delta` holds back what could begin one), and the calls'
-        items follow whole once the reply is complete; with "required", every item comes then
-        (the reply is no call until its array closes). Then completed (or incomplete). A
-        failure ends the stream with `response.failed`."""
+        items follow whole once the reply is complete; with "required", each call's item opens
+        once its name is written, its arguments stream, and it is done when they close (a
+        reply cut short before any call began comes whole at the end, as a message). Then
+        completed (or incomplete). A failure ends the stream with `response.failed`."""
         seq = itertools.count()
 
         def event(kind: str, **fields: Any) -> dict[str, Any]:
@@ -395,11 +415,13 @@ class ResponseShape:
         if self.tools is None:
             streamed = self.message("", "in_progress")
         elif self.tools.mode == "named":
-            streamed = {"type": "function_call", "id": self.call_item_id,
+            streamed = {"type": "function_call", "id": self.call_item_id(0),
                         "call_id": self.tools.call_id(0), "name": self.tools.name}
         if streamed is not None:
             group += opened(0, streamed)
         auto = self.tools is not None and self.tools.mode == "auto"
+        required = self.tools is not None and self.tools.mode == "required"
+        names: dict[int, str] = {}  # with required: the calls opened, by index
         sent = ""  # with auto: the text streamed so far, in the message opened by its start
         text = ""
         async with contextlib.aclosing(run) as stream:  # leaving early cancels the request
@@ -410,11 +432,25 @@ class ResponseShape:
                     await done(failed)
                     yield [*group, event("response.failed", response=failed)], True
                     return
+                for kind, k, value in self.tools.feed(0, piece) if required else ():
+                    if kind == "open":
+                        names[k] = value
+                        group += opened(k, self.call_item(k, value, "", "in_progress"))
+                    elif kind == "arguments":
+                        group.append(event("response.function_call_arguments.delta",
+                                           item_id=self.call_item_id(k), output_index=k,
+                                           delta=value))
+                    else:
+                        group += closed(k, self.call_item(k, names.pop(k), self.tools.arguments(
+                            0, k), "completed"), None)
                 if ev.finish_reason is not None:
                     final = self.body(text, ev, usage(ev))
                     await done(final)
                     if streamed is not None:
                         group += closed(0, final["output"][0], piece)
+                    elif required and self.tools.called(0):
+                        for k in names:  # cut short: the calls still open end incomplete
+                            group += closed(k, final["output"][k], None)
                     else:
                         if sent:  # the streamed message: the rest of its text, and its end
                             message = final["output"][0]
@@ -439,7 +475,7 @@ class ResponseShape:
                               output_index=0, content_index=0, delta=piece, logprobs=[])
                         if streamed["type"] == "message" else
                         event("response.function_call_arguments.delta",
-                              item_id=self.call_item_id, output_index=0, delta=piece))
+                              item_id=self.call_item_id(0), output_index=0, delta=piece))
                 if group:
                     yield group, False
                     group = []

@@ -69,6 +69,110 @@ def _held_back(text: str) -> int:
 
 
 @dataclass
+class _Call:
+    """One call of a "required" reply as its text comes (`CallArrayReader`)."""
+
+    name: str | None = None
+    start: int | None = None  # where its parameters' value begins in the reply
+    end: int | None = None  # where it ends, once it has
+    sent: int = 0  # characters of its arguments handed on
+    opened: bool = False  # its name handed on
+
+
+class CallArrayReader:
+    """Reads the JSON array a "required" tool_choice constrains a reply to, `[{"name": ...,
+    "parameters": {...}}, ...]`, as its text comes, so that each call streams as it is
+    generated: its name once that string closes, then its arguments piece by piece, the text of
+    its `parameters` value as the model wrote it (so the pieces add up to the call's final
+    `arguments`). A character scanner, not a partial-JSON parser: it has only to tell where each
+    element's two values lie, and the constraint has already made the text valid JSON so far.
+    The keys may come in either order; arguments wait for their call's name.
+    """
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.calls: list[_Call] = []
+        self._depth = 0  # brackets open outside strings: the array 1, an element 2
+        self._string = self._escape = False
+        self._token: int | None = None  # where a key or a name string begins, at depth 2
+        self._key: str | None = None  # the element's key whose value comes or is read
+        self._colon = False  # the key's colon is past: its value is next or under way
+
+    def feed(self, piece: str) -> list[tuple[str, int, str]]:
+        """Read `piece`, the reply's next text; returns what it completes, in order: ("open",
+        call index, name), ("arguments", call index, text), ("close", call index, "") when a
+        call's parameters end."""
+        begin = len(self.text)
+        self.text += piece
+        for i in range(begin, len(self.text)):
+            self._read(i, self.text[i])
+        events = []
+        for k, call in enumerate(self.calls):
+            if call.name is None:
+                continue
+            if not call.opened:
+                call.opened = True
+                events.append(("open", k, call.name))
+            if call.start is not None:
+                upto = call.end if call.end is not None else len(self.text)
+                if upto > call.start + call.sent:
+                    events.append(("arguments", k, self.text[call.start + call.sent:upto]))
+                    call.sent = upto - call.start
+                if call.end is not None and call.sent == call.end - call.start:
+                    call.sent += 1  # past its end: closed once
+                    events.append(("close", k, ""))
+        return events
+
+    def arguments(self, k: int) -> str:
+        """Call `k`'s arguments as written so far (all of them once it has closed)."""
+        call = self.calls[k]
+        return "" if call.start is None else self.text[call.start:call.end]
+
+    def _read(self, i: int, ch: str) -> None:
+        call = self.calls[-1] if self.calls else None
+        if self._string:
+            if self._escape:
+                self._escape = False
+            elif ch == "\\":
+                self._escape = True
+            elif ch == '"':
+                self._string = False
+                if self._token is not None:  # a key, or the name's value, at the element's level
+                    value = json.loads(self.text[self._token:i + 1])
+                    self._token = None
+                    if self._key is None:
+                        self._key, self._colon = value, False
+                    elif call is not None and self._key == "name":
+                        call.name = value
+                elif self._depth == 2 and self._key == "parameters" and call is not None:
+                    call.end = i + 1  # a string value (no schema here asks for one)
+            return
+        in_value = self._depth == 2 and self._colon
+        if ch == '"':
+            self._string = True
+            if self._depth == 2 and (self._key is None or in_value and self._key == "name"):
+                self._token = i
+            elif in_value and self._key == "parameters" and call is not None and call.start is None:
+                call.start = i
+        elif ch in "{[":
+            if self._depth == 1 and ch == "{":
+                self.calls.append(_Call())
+                self._key, self._colon = None, False
+            elif in_value and self._key == "parameters" and call is not None and call.start is None:
+                call.start = i
+            self._depth += 1
+        elif ch in "}]":
+            self._depth -= 1
+            if self._depth == 2 and self._key == "parameters" and call is not None \
+                    and call.end is None:
+                call.end = i + 1
+        elif self._depth == 2 and ch == ":":
+            self._colon = True
+        elif self._depth == 2 and ch == ",":
+            self._key, self._colon = None, False
+
+
+@dataclass
 class ToolCalls:
     """How one chat request's tools shape its reply: the constraint its requests carry and how
     each choice's text becomes `tool_calls` (None when the request calls no tool).
@@ -85,8 +189,10 @@ class ToolCalls:
     name: str | None
     constraint: StructuredOutput | None
     parser: str | None = None
-    _ids: dict[int, str] = field(default_factory=dict)  # choice -> its named call's id
+    _ids: dict[tuple[int, int], str] = field(default_factory=dict)  # (choice, call) -> id
     _sent: dict[int, int] = field(default_factory=dict)  # choice -> characters of content sent
+    _readers: dict[int, CallArrayReader] = field(default_factory=dict)  # "required", streamed
+    _called: set[int] = field(default_factory=set)  # choices whose stream has sent a call
 
     @classmethod
     def of(cls, req: ChatRequest, parser: str | None = None) -> ToolCalls | None:
@@ -139,9 +245,14 @@ class ToolCalls:
             raise APIError(f"tools: a function's parameters: {e}", param="tools") from e
         return calls
 
-    def call_id(self, choice: int) -> str:
-        """The id of a choice's named call (the same in every chunk of a stream)."""
-        return self._ids.setdefault(choice, f"call_{uuid.uuid4().hex[:24]}")
+    def call_id(self, choice: int, k: int = 0) -> str:
+        """The id of a choice's call `k` (the same in every chunk of a stream and in the
+        finished reply)."""
+        return self._ids.setdefault((choice, k), f"call_{uuid.uuid4().hex[:24]}")
+
+    def called(self, choice: int) -> bool:
+        """Whether a choice's stream has sent a tool call."""
+        return choice in self._called
 
     def message(self, choice: int, text: str) -> tuple[list[dict[str, Any]] | None, str | None]:
         """A finished choice's `tool_calls` and its `content`: the calls (with "auto", and the
@@ -153,18 +264,22 @@ class ToolCalls:
             calls, content = parse_hermes(text)
             if calls is None:
                 return None, text
-            return [self._call(f"call_{uuid.uuid4().hex[:24]}", name, args)
-                    for name, args in calls], content
+            return [self._call(self.call_id(choice, k), name, args)
+                    for k, (name, args) in enumerate(calls)], content
         try:
             calls = json.loads(text)
         except ValueError:
             return None, text
-        return [self._call(f"call_{uuid.uuid4().hex[:24]}", c["name"],
-                           json.dumps(c["parameters"], ensure_ascii=False)) for c in calls], None
+        reader = CallArrayReader()  # each call's arguments as written, as they were streamed
+        reader.feed(text)
+        return [self._call(self.call_id(choice, k), c["name"], reader.arguments(k)
+                           or json.dumps(c["parameters"], ensure_ascii=False))
+                for k, c in enumerate(calls)], None
 
-    def finish_reason(self, reason: str | None, calls: list | None) -> str | None:
-        """OpenAI's: "tool_calls" when the model chose to call ("required", "auto"); a named
-        call that was forced ends with "stop"."""
+    def finish_reason(self, reason: str | None, calls: list | bool | None) -> str | None:
+        """OpenAI's: "tool_calls" when the model chose to call ("required", "auto"; `calls`:
+        the calls, or whether a stream sent one); a named call that was forced ends with
+        "stop"."""
         return "tool_calls" if self.mode != "named" and calls and reason == "stop" else reason
 
     @staticmethod
@@ -176,10 +291,12 @@ class ToolCalls:
               ) -> dict[str, Any] | None:
         """A stream chunk's `delta` for new text `piece` of a choice (`text_so_far` includes
         it): a named call's arguments stream as they come (its id and name with the first
-        piece); "required" calls are sent whole when the choice finishes, the array's text
-        being no call until it closes; with "auto", the text streams as content until a
-        `<tool_call>` begins (what could begin one is held back), and the calls are sent whole
-        when the choice finishes. None when there is nothing to send yet."""
+        piece); so do "required" calls, each opening (index, id, name) once its name is
+        written and its arguments following piece by piece (`CallArrayReader`); a reply cut
+        short before any call opened comes as content when it finishes. With "auto", the text
+        streams as content until a `<tool_call>` begins (what could begin one is held back),
+        and the calls are sent whole when the choice finishes. None when there is nothing to
+        send yet."""
         if self.mode == "auto":
             return self._auto_delta(choice, text_so_far, finished)
         if self.mode == "named":
@@ -189,12 +306,33 @@ class ToolCalls:
                 return {"tool_calls": [{"index": 0, **self._call(self.call_id(choice), self.name,
                                                                  piece)}]}
             return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}
-        if not finished:
-            return None
-        calls, content = self.message(choice, text_so_far)
-        if calls is None:
-            return {"content": content}
-        return {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
+        deltas: list[dict[str, Any]] = []
+        for kind, k, value in self.feed(choice, piece):
+            if kind == "open":
+                deltas.append({"index": k, **self._call(self.call_id(choice, k), value, "")})
+            elif kind == "arguments":
+                if deltas and deltas[-1]["index"] == k:
+                    deltas[-1]["function"]["arguments"] += value
+                else:
+                    deltas.append({"index": k, "function": {"arguments": value}})
+        if deltas:
+            return {"tool_calls": deltas}
+        if finished and not self.called(choice):
+            return {"content": text_so_far}  # no call: cut short before one opened
+        return None
+
+    def feed(self, choice: int, piece: str) -> list[tuple[str, int, str]]:
+        """A "required" reply's next text `piece`, read by its choice's `CallArrayReader`:
+        what it completes (calls opened, arguments, calls closed), as `CallArrayReader.feed`."""
+        reader = self._readers.setdefault(choice, CallArrayReader())
+        events = reader.feed(piece)
+        if reader.calls and reader.calls[0].opened:
+            self._called.add(choice)
+        return events
+
+    def arguments(self, choice: int, k: int) -> str:
+        """Call `k`'s arguments in a streamed "required" reply, as far as they came."""
+        return self._readers[choice].arguments(k)
 
     def _auto_delta(self, choice: int, text: str, finished: bool) -> dict[str, Any] | None:
         sent = self._sent.get(choice, 0)
@@ -203,6 +341,7 @@ class ToolCalls:
             if calls is None:
                 return {"content": text[sent:]} if len(text) > sent else None
             out: dict[str, Any] = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
+            self._called.add(choice)
             before = text[:text.find(_OPEN)]
             if len(before) > sent and content is not None:
                 out["content"] = before[sent:]

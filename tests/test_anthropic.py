@@ -128,7 +128,7 @@ def test_a_stop_sequence_ends_the_reply_and_is_named(client, oracle, tokenizer):
 def test_tool_use_is_made_as_chat_makes_it(fleet, client):
     """`tool_choice` naming a tool makes the reply a tool_use block with the input chat's named
     call gives (the same constraint), stop_reason tool_use; streamed, its input comes as it is
-    generated, in input_json_deltas; "any" calls one of the tools."""
+    generated, in input_json_deltas; "any" calls one of the tools, streamed the same way."""
     question = "What is the weather like in Paris?"
     chat = httpx.post(fleet["url"] + "/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": question}], "temperature": 0,
@@ -155,9 +155,17 @@ def test_tool_use_is_made_as_chat_makes_it(fleet, client):
     assert events[1].content_block.name == "get_weather"
     assert json.loads("".join(deltas)) == block.input
     assert events[-2].delta.stop_reason == "tool_use"
-    r = client.messages.create(**{**ask, "tool_choice": {"type": "any",
-                                                          "disable_parallel_tool_use": True}})
+    anyone = {**ask, "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}
+    r = client.messages.create(**anyone)
     assert [b.name for b in r.content] == ["get_weather"] and r.stop_reason == "tool_use"
+    events = list(client.messages.create(**anyone, stream=True))
+    deltas = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
+    assert [e.type for e in events] == ["message_start", "content_block_start",
+                                        *["content_block_delta"] * len(deltas),
+                                        "content_block_stop", "message_delta", "message_stop"]
+    assert len(deltas) > 1 and json.loads("".join(deltas)) == r.content[0].input
+    assert events[1].content_block.name == "get_weather" and events[-2].delta.stop_reason == \
+        "tool_use"
 
 
 def test_output_config_format_makes_a_reply_of_the_schema(client):

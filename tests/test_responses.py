@@ -103,8 +103,8 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 
 def test_function_calls_are_made_as_chat_makes_them(fleet, client):
     """A named `tool_choice` or "required" makes the reply function calls, the same arguments
-    chat's tool calls give (the same constraint); streamed, each call's events come once the
-    reply is complete, and the completed response equals the unstreamed one."""
+    chat's tool calls give (the same constraint); streamed, each call's arguments come as they
+    are generated, and the completed response equals the unstreamed one."""
     question = "What is the weather like in Paris?"
     chat = httpx.post(fleet["url"] + "/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": question}], "temperature": 0,
@@ -140,15 +140,19 @@ def test_function_calls_are_made_as_chat_makes_them(fleet, client):
             "max_output_tokens": 60, "parallel_tool_calls": False}
     whole = httpx.post(fleet["url"] + "/v1/responses", json=body, timeout=60).json()
     events = list(client.responses.create(model=MODEL, stream=True, **body))
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     assert [e.type for e in events] == [
         "response.created", "response.in_progress", "response.output_item.added",
-        "response.function_call_arguments.delta", "response.function_call_arguments.done",
-        "response.output_item.done", "response.completed"]
+        *["response.function_call_arguments.delta"] * len(deltas),
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed"]
     done = events[-1].response.model_dump()
     assert [(o["type"], o["name"], o["arguments"]) for o in done["output"]] == \
         [(o["type"], o["name"], o["arguments"]) for o in whole["output"]]
-    assert events[3].delta == events[4].arguments == whole["output"][0]["arguments"]
-    assert events[2].item.id == events[5].item.id == events[3].item_id
+    assert len(deltas) > 1, "the arguments came whole, not as they were generated"
+    assert "".join(deltas) == events[-3].arguments == whole["output"][0]["arguments"]
+    assert events[2].item.id == events[-2].item.id == events[3].item_id == done["output"][0]["id"]
+    assert events[2].item.name == "get_weather" and events[2].item.arguments == ""
 
     # The call and its output sent back as input items: the prompt chat would build.
     follow_up = [{"role": "user", "content": question},

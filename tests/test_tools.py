@@ -66,24 +66,31 @@ def test_a_named_function_is_called_with_arguments_that_match_its_schema(fleet):
 
 
 def test_required_makes_one_or_more_calls_of_the_tools(fleet):
+    """Each call matches its tool's schema; streamed, each opens with its id and name and its
+    arguments follow piece by piece, adding up to the unstreamed reply's (greedy)."""
     client = _client(fleet)
-    for stream in (False, True):
-        for parallel in (True, False):
-            kw = dict(model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=120, temperature=0,
-                      tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel)
-            if stream:
-                chunks = [c for c in client.chat.completions.create(**kw, stream=True)
-                          if c.choices]
-                calls = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
-                reason = chunks[-1].choices[0].finish_reason
-            else:
-                choice = client.chat.completions.create(**kw).choices[0]
-                calls, reason = choice.message.tool_calls, choice.finish_reason
-                assert choice.message.content is None
-            assert reason == "tool_calls" and calls and (parallel or len(calls) == 1)
-            for call in calls:
-                assert call.id.startswith("call_")
-                _check(call.function.name, call.function.arguments)
+    for parallel in (True, False):
+        kw = dict(model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=120, temperature=0,
+                  tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel)
+        choice = client.chat.completions.create(**kw).choices[0]
+        calls = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert calls and (parallel or len(calls) == 1)
+        for call in calls:
+            assert call.id.startswith("call_")
+            _check(call.function.name, call.function.arguments)
+
+        chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+        deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        assert {c.choices[0].delta.content for c in chunks[1:]} == {None}
+        assert len(deltas) > 2 * len(calls), "the arguments came whole, not streamed"
+        for k, call in enumerate(calls):
+            mine = [d for d in deltas if d.index == k]
+            assert mine[0].id.startswith("call_") and mine[0].function.name == call.function.name
+            assert {d.id for d in mine[1:]} == {None}
+            assert "".join(d.function.arguments for d in mine) == call.function.arguments
+        assert {d.index for d in deltas} == set(range(len(calls)))
 
 
 def test_a_conversation_goes_on_after_a_tool_answers(fleet):
@@ -194,14 +201,75 @@ def test_auto_streams_the_answer_and_sends_the_calls_whole():
         assert [c["function"] for c in streamed] == [c["function"] for c in calls or []]
 
 
-def _pieces(text: str):
+REQUIRED_REPLIES = [
+    '[{"name": "get_weather", "parameters": {"city": "Lyon, \\"the {city}\\"", '
+    '"unit": "celsius"}}, {"parameters": {"timezone": "[UTC]"}, "name": "get_time"}]',
+    '[ {"name":"get_time","parameters":{}} ]',
+]
+
+
+@pytest.mark.parametrize("text", REQUIRED_REPLIES)
+def test_required_streams_each_call_as_its_text_comes(text):
+    """Streamed "required", in pieces of every size: a call opens (index, id, name) as soon as
+    its name is written and its arguments follow as written, whichever key comes first, with
+    braces and quotes inside strings; joined, the calls equal the unstreamed reply's."""
+    import random
+
+    from gateway.schemas import ChatRequest
+
+    req = ChatRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS,
+                      tool_choice="required")
+    rng = random.Random(0)
+    for size in (1, 2, 3, 7, None):
+        tools = ToolCalls.of(req)
+        deltas, end = [], 0
+        while end < len(text):
+            step = size or rng.randint(1, 9)
+            piece, end = text[end:end + step], min(end + step, len(text))
+            d = tools.delta(0, piece, text[:end], finished=end == len(text))
+            if d:
+                assert "content" not in d
+                deltas += d["tool_calls"]
+                opened = {x["index"] for x in deltas if "id" in x}
+                assert {x["index"] for x in deltas} <= opened  # arguments after their call
+        calls, content = tools.message(0, text)
+        assert content is None and tools.finish_reason("stop", tools.called(0)) == "tool_calls"
+        joined = [{"id": next(x["id"] for x in deltas if x["index"] == k and "id" in x),
+                   "name": next(x["function"]["name"] for x in deltas if x["index"] == k
+                                and "id" in x),
+                   "arguments": "".join(x["function"]["arguments"] for x in deltas
+                                        if x["index"] == k)} for k in range(len(calls))]
+        assert joined == [{"id": c["id"], **c["function"]} for c in calls]
+        assert [json.loads(c["function"]["arguments"]) for c in calls] == \
+            [c["parameters"] for c in json.loads(text)]
+
+
+def test_required_cut_short_before_a_call_is_content():
+    """A "required" reply that max_tokens cut before any call's name: content, sent when the
+    choice finishes; after one, the call as far as it came (finish_reason stays "length")."""
+    from gateway.schemas import ChatRequest
+
+    req = ChatRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS,
+                      tool_choice="required")
+    tools = ToolCalls.of(req)
+    assert tools.delta(0, '[{"na', '[{"na', finished=False) is None
+    assert tools.delta(0, "me", '[{"name', finished=True) == {"content": '[{"name'}
+    assert tools.finish_reason("length", tools.called(0)) == "length"
+    tools = ToolCalls.of(req)
+    d = tools.delta(0, '[{"name": "get_time", "parameters": {"tz', '[{"name": "get_time", '
+                    '"parameters": {"tz', finished=True)
+    assert d == {"tool_calls": [{"index": 0, "id": tools.call_id(0), "type": "function",
+                                 "function": {"name": "get_time", "arguments": '{"tz'}}]}
+
+
+def _pieces(text: str, reason: str = "stop"):
     """A fake `Gateway.run`: the text one character a token, the last event ending it."""
     from shoal.messages import TokenEvent
 
     async def run():
         for k, ch in enumerate(text):
             end = k == len(text) - 1
-            yield ch, TokenEvent("r", k, [k], finish_reason="stop" if end else None,
+            yield ch, TokenEvent("r", k, [k], finish_reason=reason if end else None,
                                  prompt_tokens=3, completion_tokens=len(text))
     return run()
 
@@ -354,3 +422,84 @@ def test_the_cli_lists_the_parsers_the_gateway_has():
     from shoal import cli
 
     assert cli.TOOL_CALL_PARSERS == list(tools.TOOL_CALL_PARSERS)
+
+
+def test_required_streams_each_call_on_the_messages_and_responses_apis():
+    """"any" / "required" on the other APIs' streams: each call's block or item opens once its
+    name is written, its input or arguments stream, and it closes when they do, before the
+    next call's text; the stream ends as the unstreamed reply does (ids included). Cut short
+    mid-call, the response's open item ends "incomplete" with the arguments that came."""
+    import asyncio
+
+    from gateway.anthropic import MessageShape, MessagesRequest
+    from gateway.responses import ResponseShape, ResponsesRequest
+
+    text = REQUIRED_REPLIES[0]
+    calls = json.loads(text)
+    ask = MessagesRequest(model="m", max_tokens=64, messages=[{"role": "user", "content": "x"}],
+                          tools=[{"name": "get_weather", "input_schema": WEATHER},
+                                 {"name": "get_time", "input_schema": TIME}],
+                          tool_choice={"type": "any"})
+    shape = MessageShape(ask, "m", ToolCalls.of(ask.to_chat()), 3)
+    events = asyncio.run(_all(shape.events(_pieces(text), _usage)))
+    kinds = [(e["type"], e.get("index")) for e in events]
+    assert kinds.index(("content_block_stop", 0)) < kinds.index(("content_block_start", 1))
+    for k, call in enumerate(calls):
+        (start,) = [e["content_block"] for e in events if e["type"] == "content_block_start"
+                    and e["index"] == k]
+        assert start["type"] == "tool_use" and start["name"] == call["name"]
+        assert start["id"].startswith("toolu_") and start["input"] == {}
+        pieces = [e["delta"]["partial_json"] for e in events
+                  if e["type"] == "content_block_delta" and e["index"] == k]
+        # The second call's parameters come before its name: they wait for it, then go whole.
+        assert (len(pieces) > 1) == (k == 0) and json.loads("".join(pieces)) == call["parameters"]
+    assert events[-2]["delta"]["stop_reason"] == "tool_use"
+    body = shape.body(text, _last(text, "stop"), None)
+    assert [b["input"] for b in body["content"]] == [c["parameters"] for c in calls]
+    assert [b["id"] for b in body["content"]] == [e["content_block"]["id"] for e in events
+                                                  if e["type"] == "content_block_start"]
+
+    req = ResponsesRequest(model="m", input="x", tool_choice="required", tools=[
+        {"type": "function", "name": "get_weather", "parameters": WEATHER},
+        {"type": "function", "name": "get_time", "parameters": TIME}])
+
+    async def stored(_response) -> None:
+        pass
+    shape = ResponseShape(req, "m", ToolCalls.of(req.to_chat([])))
+    events = asyncio.run(_all(shape.events(_pieces(text), _usage, stored)))
+    final = events[-1]["response"]["output"]
+    assert events[-1]["type"] == "response.completed"
+    assert [(o["name"], json.loads(o["arguments"]), o["status"]) for o in final] == \
+        [(c["name"], c["parameters"], "completed") for c in calls]
+    for k, item in enumerate(final):
+        (added,) = [e for e in events if e["type"] == "response.output_item.added"
+                    and e["output_index"] == k]
+        assert added["item"]["id"] == item["id"] and added["item"]["call_id"] == item["call_id"]
+        assert added["item"]["name"] == item["name"] and added["item"]["arguments"] == ""
+        pieces = [e["delta"] for e in events if e["type"] ==
+                  "response.function_call_arguments.delta" and e["output_index"] == k]
+        assert (len(pieces) > 1) == (k == 0) and "".join(pieces) == item["arguments"]
+        (done,) = [e for e in events if e["type"] == "response.output_item.done"
+                   and e["output_index"] == k]
+        assert done["item"] == item
+    order = [(e["type"], e.get("output_index")) for e in events]
+    assert order.index(("response.output_item.done", 0)) < \
+        order.index(("response.output_item.added", 1))
+
+    cut = '[{"name": "get_time", "parameters": {"timezone": "UTC"}}, {"name": "get_weather", ' \
+        '"parameters": {"ci'
+    shape = ResponseShape(req, "m", ToolCalls.of(req.to_chat([])))
+    events = asyncio.run(_all(shape.events(_pieces(cut, "length"), _usage, stored)))
+    assert events[-1]["type"] == "response.incomplete"
+    first, second = events[-1]["response"]["output"]
+    assert first["status"] == "completed" and second["status"] == "incomplete"
+    assert second["name"] == "get_weather" and second["arguments"] == '{"ci'
+    assert [e["item"] for e in events if e["type"] == "response.output_item.done"] == \
+        [first, second]
+
+
+def _last(text: str, reason: str):
+    from shoal.messages import TokenEvent
+
+    return TokenEvent("r", 0, [], finish_reason=reason, prompt_tokens=3,
+                      completion_tokens=len(text))
