@@ -530,23 +530,52 @@ def test_a_workers_prefix_index_keeps_its_most_recent_blocks():
     assert index.match([b"a", b"b"]) == 1 and index.match([b"c", b"d", b"e"]) == 3
 
 
-def test_an_engine_failure_fails_its_iterations_requests_not_the_worker(monkeypatch):
-    """A step that raises (a request that breaks the engine) fails the requests the engine held
-    with status 500 and frees all their blocks; the worker then serves new requests. Failing
-    MAX_FAILED_ITERATIONS iterations in a row ends it."""
+def _tokens(events: list, rid: str) -> list[int]:
+    out: list[int] = []
+    for e in events:
+        if e.request_id == rid:
+            out[e.index:] = e.token_ids
+    return out
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_an_engine_failure_fails_only_the_request_that_breaks_it(monkeypatch, when):
+    """A step that raises with a request that breaks the engine among others ("before" its
+    forward pass, or "after" the others' tokens were sampled and appended): the worker frees
+    every block, finds the culprit by recomputing halves of the requests alone, and fails it
+    alone with status 500; the others go on, their tokens exactly those of a run without it
+    (none lost, none twice). Failing MAX_FAILED_ITERATIONS iterations in a row ends the
+    worker."""
     from worker import server as worker_server
 
+    names = ["a", "b", "poison", "c", "d"]
+    oracle: list = []
     sched = Scheduler("reserve")
-    w = SimWorker("w", 40)
+    clean = SimWorker("w", 60)
+    sched.update_worker(clean.info())
+    for i, rid in enumerate(n for n in names if n != "poison"):
+        sched.add_request(_sub(rid, 6, 4, float(i)))
+    while sched.requests:
+        _pump(sched, {"w": clean}, oracle)
+
+    sched = Scheduler("reserve")
+    w = SimWorker("w", 60)
     sched.update_worker(w.info())
     run = w.engine._run
+    armed = [False]  # the poison breaks the engine from its second token on
 
     def poisoned(decodes, prefills):
-        if any(s.request_id == "poison" for s in [*decodes, *(s for s, _ in prefills)]):
+        seqs = [*decodes, *(s for s, _ in prefills)]
+        hit = armed[0] and any(s.request_id == "poison" for s in seqs)
+        armed[0] = armed[0] or any(s.request_id == "poison" for s in seqs)
+        if hit and when == "before":
             raise RuntimeError("the kernel refused a value")
-        return run(decodes, prefills)
+        out = run(decodes, prefills)
+        if hit:
+            raise RuntimeError("the kernel refused a value")
+        return out
     monkeypatch.setattr(w.engine, "_run", poisoned)
-    for i, rid in enumerate(["a", "poison", "b"]):
+    for i, rid in enumerate(names):
         sched.add_request(_sub(rid, 6, 4, float(i)))
     events: list = []
     workers = {"w": w}
@@ -557,16 +586,13 @@ def test_an_engine_failure_fails_its_iterations_requests_not_the_worker(monkeypa
         _pump(sched, workers, events)
     assert FAILED_ITERATIONS._value.get() == before + 1  # shoal_engine_failed_iterations_total
     failed = {e.request_id: e for e in events if e.finish_reason == "error"}
-    assert set(failed) == {"a", "poison", "b"}  # all in the failed iteration
-    assert all(e.error_status == 500 and "RuntimeError" in e.error for e in failed.values())
+    assert list(failed) == ["poison"]
+    assert failed["poison"].error_status == 500 and "RuntimeError" in failed["poison"].error
+    for rid in ("a", "b", "c", "d"):
+        assert _tokens(events, rid) == _tokens(oracle, rid) and len(_tokens(oracle, rid)) == 4
+        assert [e.finish_reason for e in events if e.request_id == rid][-1] == "length"
     assert w.engine.num_free_blocks == w.engine.num_total_blocks and not w.engine.running
-
-    sched.add_request(_sub("c", 6, 4, 3.0))
-    events = []
-    while sched.requests:
-        _pump(sched, workers, events)
-    assert [e.finish_reason for e in events if e.request_id == "c"][-1] == "length"
-    assert sum(len(e.token_ids) for e in events if e.request_id == "c") == 4
+    assert w.server._failed_in_a_row == 0  # the others ran: the engine works
 
     ended = []
     monkeypatch.setattr(w.server, "fail", lambda reason: ended.append(reason))

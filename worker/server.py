@@ -12,12 +12,16 @@ mid-iteration. A thread renews the heartbeat every second with the current free 
 SIGTERM it drains: it advertises `draining`, hands back any request it is asked to admit,
 finishes what it runs, deregisters and exits 0.
 
-An iteration whose engine step raises fails the requests the engine held (HTTP 500), frees
-their K/V blocks and the prefix cache, and the worker goes on: a request that breaks the engine
-(a poison pill) would otherwise end the worker, be moved to the next one by the scheduler and end
-it too, up to `--max-migrations` workers. Several failed iterations in a row, or blocks that do
-not all come back, mean the engine itself is broken: the worker leaves the fleet. A
-tensor-parallel leader leaves at once, its followers being out of step.
+An iteration whose engine step raises does not end the worker: a request that breaks the engine
+(a poison pill) would otherwise end it, be moved to the next one by the scheduler and end that
+too, up to `--max-migrations` workers. Nor does it fail every request the iteration held: the
+worker frees their K/V blocks and the prefix cache, then finds the culprit by halving, each half
+of the suspects recomputed (their prompt and tokens so far, as after a preemption) alone, and a
+half that fails halved again. A request that fails alone gets the error (HTTP 500); the others
+go on with the token their recompute sampled. That costs about twice the suspects' contexts of
+prefill, once, where failing them cost every client its request. Several failed iterations in a
+row, or blocks that do not all come back, mean the engine itself is broken: the worker leaves
+the fleet. A tensor-parallel leader leaves at once, its followers being out of step.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import signal
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 
 import redis
@@ -37,6 +42,7 @@ from shoal.keys import Keys
 from shoal.messages import (
     IterationPlan,
     IterationResult,
+    NewRequest,
     ProtocolError,
     TokenOutput,
     WorkerInfo,
@@ -279,6 +285,9 @@ class WorkerServer:
                                         finish_reason="preempted") for a in plan.admit]
             plan = IterationPlan(plan.iteration, [], plan.run, plan.release, plan.reset)
         while True:
+            # Each running request's tokens the scheduler knows of, should the step fail after
+            # sampling some of them.
+            known = {rid: len(s.token_ids) for rid, s in self.engine.running.items()}
             try:
                 result = self.engine.step(plan)
                 if result.num_requests:  # an iteration that computed something went well
@@ -296,7 +305,7 @@ class WorkerServer:
             except Exception as e:  # noqa: BLE001 - any engine failure, contained below
                 if not self.settings.contain_engine_failures:
                     raise
-                return self._failed_iteration(plan, e, handed_back)
+                return self._failed_iteration(plan, e, handed_back, known)
         metrics.observe_iteration(result.num_prefill_tokens, result.num_decode_tokens,
                                   result.step_seconds, self.engine.num_free_blocks,
                                   self.engine.num_total_blocks)
@@ -307,33 +316,106 @@ class WorkerServer:
                                result.num_pending_prefill_tokens)
 
     def _failed_iteration(self, plan: IterationPlan, e: Exception,
-                          handed_back: list[TokenOutput]) -> IterationResult:
-        """The result of an iteration whose engine step raised `e`: every request the engine
-        held, and the plan's admissions, finished with an error (status 500); the engine emptied
-        and its prefix cache forgotten (a block of the failed iteration may be half written).
-        Ends the worker (`fail`) after MAX_FAILED_ITERATIONS in a row, or when blocks stay
-        missing."""
+                          handed_back: list[TokenOutput], known: dict[str, int]
+                          ) -> IterationResult:
+        """The result of an iteration whose engine step raised `e`: the engine emptied and its
+        prefix cache forgotten (a block of the failed iteration may be half written), then
+        every request it held, and the plan's admissions, recomputed in halves (`_isolate`),
+        those that fail alone finished with an error (status 500). `known`: each running
+        request's length in tokens before the step. Ends the worker (`fail`) after
+        MAX_FAILED_ITERATIONS in a row, or when blocks stay missing."""
         self._failed_in_a_row += 1
         metrics.FAILED_ITERATIONS.inc()
-        log.exception("iteration %d failed (%d in a row); failing its requests", plan.iteration,
-                      self._failed_in_a_row, exc_info=e)
+        log.exception("iteration %d failed (%d in a row); finding the request that broke it",
+                      plan.iteration, self._failed_in_a_row, exc_info=e)
         if self._failed_in_a_row >= MAX_FAILED_ITERATIONS:
             self.fail(f"{self._failed_in_a_row} iterations in a row failed: {e!r}")
         engine = self.engine
-        lost = {rid: seq.num_output_tokens for rid, seq in engine.running.items()}
-        for a in plan.admit:
-            lost.setdefault(a.request_id, len(a.output_token_ids))
+        done = {o.request_id for o in handed_back}
+        suspects = {a.request_id: a for a in plan.admit}
+        for rid, seq in engine.running.items():
+            if rid not in suspects:
+                n = known.get(rid, len(seq.token_ids))
+                suspects[rid] = NewRequest(rid, seq.token_ids[:seq.num_prompt_tokens], seq.params,
+                                           seq.token_ids[seq.num_prompt_tokens:n])
         for rid in list(engine.running):
             engine.release(rid)
         engine.reset_prefix_cache()
         missing = engine.num_total_blocks - engine.num_free_blocks
         if missing:
             self.fail(f"the engine failed ({e!r}) and {missing} K/V blocks did not come back")
-        done = {o.request_id for o in handed_back}
-        error = f"the worker's engine failed running this request: {type(e).__name__}: {e}"
-        return IterationResult(self.worker_id, plan.iteration, handed_back + [
-            TokenOutput(rid, None, n, finish_reason="error", error=error, error_status=500)
-            for rid, n in lost.items() if rid not in done], engine.num_free_blocks)
+        outputs, steps = self._isolate([r for rid, r in suspects.items() if rid not in done], e)
+        if any(s.num_requests for s in steps):  # some requests ran: the engine itself works
+            self._failed_in_a_row = 0
+        self._totals.observe(engine)
+        return IterationResult(
+            self.worker_id, plan.iteration, handed_back + outputs, engine.num_free_blocks,
+            sum(s.num_prefill_tokens for s in steps), sum(s.num_decode_tokens for s in steps),
+            sum(s.step_seconds for s in steps), len({o.request_id for o in outputs}),
+            steps[-1].num_pending_prefill_tokens if steps else 0)
+
+    def _isolate(self, suspects: list[NewRequest], e: Exception
+                 ) -> tuple[list[TokenOutput], list[IterationResult]]:
+        """Find which of a failed iteration's requests break the engine (`e` being what it
+        raised), by halving: each half is admitted alone and run until every one of its
+        requests has computed its context again and sampled (`_recompute`); a half that raises
+        is released and halved again, and a request that raises alone is the culprit. Returns
+        the outputs (the survivors' tokens, the culprits' errors, requests handed back when a
+        half found too few free blocks, its prefix blocks no longer shared) and the engine's
+        steps that ran."""
+        def culprit(r: NewRequest, err: Exception) -> TokenOutput:
+            log.error("request %s breaks the engine: %r", r.request_id, err)
+            return TokenOutput(r.request_id, None, len(r.output_token_ids), finish_reason="error",
+                               error=f"the worker's engine failed running this request: "
+                                     f"{type(err).__name__}: {err}", error_status=500)
+        engine = self.engine
+        outputs: list[TokenOutput] = []
+        steps: list[IterationResult] = []
+        if len(suspects) < 2:  # the iteration ran it alone
+            return [culprit(r, e) for r in suspects], steps
+        groups = deque(_halves(suspects))
+        while groups:
+            group = groups.popleft()
+            try:
+                outputs += self._recompute(group, steps)
+            except KVCacheFullError:
+                outputs += [TokenOutput(r.request_id, None, len(r.output_token_ids),
+                                        finish_reason="preempted") for r in group]
+            except Exception as err:  # noqa: BLE001 - the failure being looked for
+                engine.reset_prefix_cache()  # as after the iteration: a block may be half written
+                if len(group) == 1:
+                    outputs.append(culprit(group[0], err))
+                else:
+                    groups.extendleft(reversed(_halves(group)))
+        return outputs, steps
+
+    def _recompute(self, group: list[NewRequest], steps: list[IterationResult]
+                   ) -> list[TokenOutput]:
+        """Admit `group` and step it alone until each of its requests has sampled (or
+        finished); the steps are appended to `steps`. On any exception the group's requests are
+        released (their outputs dropped: the scheduler never sees them) and it propagates."""
+        engine = self.engine
+        ids = [r.request_id for r in group]
+        plan = IterationPlan(admit=group, run=[])
+        outputs: list[TokenOutput] = []
+        try:
+            while True:
+                result = engine.step(plan)
+                steps.append(result)
+                outputs += result.outputs
+                prefilling = [rid for rid in ids if rid in engine.running
+                              and engine.running[rid].num_uncomputed_tokens > 1]
+                if not prefilling or not result.num_requests:
+                    return outputs
+                plan = IterationPlan(run=prefilling)
+        except BaseException:
+            for rid in ids:
+                engine.release(rid)
+            raise
+
+
+def _halves(group: list[NewRequest]) -> list[list[NewRequest]]:
+    return [group[:len(group) // 2], group[len(group) // 2:]]
 
 
 def default_worker_id() -> str:
