@@ -3,13 +3,15 @@ unchanged: `POST /v1/files` (purpose "batch") keeps a JSONL file in Redis, and
 `POST /v1/batches` makes a job of its lines (gateway/jobs.py), which the Celery workers run as
 any job, behind interactive requests. A batch's status, counts and files are read from its job.
 
-- A batch is its job: batch `batch_<hex>` is job `job-<hex>`; `{p}:batch:{id}` keeps what the
-  Batch API adds (the input file, the endpoint, the completion window, the metadata).
+- A batch is its job: batch `batch_<hex>` is job `job-<hex>`, whose `meta` fields
+  (`JobStore.metadata`) keep what the Batch API adds (the input file, the endpoint, the
+  metadata).
 - Its output and error files are its job's result lines without and with an `error`, under
   the ids `file-<hex>-output` and `file-<hex>-errors`: made when read, never stored twice.
-- Files and batches are kept `FILES_TTL_S` (30 days, as OpenAI keeps batch output files), an
-  upload for its `expires_after` seconds when it gives them (OpenAI's: an hour to 30 days from
-  its creation); deleting an input file does not stop a batch made from it. Uploads are
+- Uploads are kept `FILES_TTL_S` (30 days), or their `expires_after` seconds when they give
+  them (OpenAI's: an hour to 30 days from its creation); deleting an input file does not stop a
+  batch made from it. A batch and its output and error files are kept, as its job is, 30 days
+  after it finishes, or its `output_expires_after` seconds (the same bounds). Uploads are
   bounded by the gateway's `--max-file-bytes` (100 MiB by default; OpenAI's own limit for
   batch input files is 200 MB).
 """
@@ -36,6 +38,15 @@ MIN_FILE_TTL_S = 3600  # the shortest `expires_after` OpenAI's API takes
 COMPLETION_WINDOW = "24h"  # the only one OpenAI offers; the fleet runs a batch as it can
 
 
+class ExpiresAfter(BaseModel):
+    """When a batch's output and error files expire: `seconds` after they are made."""
+
+    model_config = ConfigDict(strict=True)
+
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=MIN_FILE_TTL_S, le=FILES_TTL_S)
+
+
 class BatchRequest(BaseModel):
     """`POST /v1/batches`."""
 
@@ -45,6 +56,7 @@ class BatchRequest(BaseModel):
     endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
     completion_window: Literal["24h"]
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    output_expires_after: ExpiresAfter | None = None
 
 
 def _hex(object_id: str, prefix: str) -> str | None:
@@ -88,13 +100,14 @@ def batches_router(jobs: Jobs, errors: Callable[..., dict], max_file_bytes: int)
                 continue
             batch_hex = hex_.removesuffix(suffix)
             status = jobs.store.status("job-" + batch_hex)
-            if status is None:
+            if status is None or status["finished_at"] is None:  # made when the batch ends
                 return None
             lines = [line for line in jobs.store.results("job-" + batch_hex)
                      if (json.loads(line)["error"] is not None) == errored]
             data = "".join(f"{line}\n" for line in lines).encode()
-            return file_object(file_id, len(data), status["created_at"],
-                               f"batch_{batch_hex}{suffix}.jsonl", "batch_output"), data
+            made = status["finished_at"]
+            return file_object(file_id, len(data), made, f"batch_{batch_hex}{suffix}.jsonl",
+                               "batch_output", round(status["expires_at"] - made)), data
         return None
 
     def find_file(file_id: str) -> tuple[dict[str, Any], bytes]:
@@ -175,8 +188,8 @@ def batches_router(jobs: Jobs, errors: Callable[..., dict], max_file_bytes: int)
     def batch_object(batch_id: str) -> dict[str, Any] | None:
         """The batch, with its status and counts read from its job."""
         hex_ = _hex(batch_id, "batch_")
-        h = r().hgetall(keys().batch(batch_id)) if hex_ else {}
-        job = jobs.store.status("job-" + hex_) if h else None
+        h = jobs.store.metadata("job-" + hex_) if hex_ else {}
+        job = jobs.store.status("job-" + hex_) if "endpoint" in h else None
         if job is None:
             return None
         counts = job["request_counts"]
@@ -190,8 +203,8 @@ def batches_router(jobs: Jobs, errors: Callable[..., dict], max_file_bytes: int)
         def stamp(key: str, when: bool) -> int | None:
             return int(job[key]) if when and job[key] is not None else None
         return {
-            "id": batch_id, "object": "batch", "endpoint": h[b"endpoint"].decode(),
-            "errors": None, "input_file_id": h[b"input_file_id"].decode(),
+            "id": batch_id, "object": "batch", "endpoint": h["endpoint"],
+            "errors": None, "input_file_id": h["input_file_id"],
             "completion_window": COMPLETION_WINDOW, "status": status,
             "output_file_id": f"file-{hex_}-output" if ended and counts["completed"] else None,
             "error_file_id": f"file-{hex_}-errors"
@@ -204,7 +217,7 @@ def batches_router(jobs: Jobs, errors: Callable[..., dict], max_file_bytes: int)
             "cancelled_at": stamp("finished_at", status == "cancelled"),
             "request_counts": {"total": counts["total"], "completed": counts["completed"],
                                "failed": counts["failed"]},
-            "metadata": json.loads(h[b"metadata"]) if h.get(b"metadata") else None,
+            "metadata": json.loads(h["metadata"]) if h.get("metadata") else None,
         }
 
     def known(batch_id: str) -> dict[str, Any]:
@@ -225,15 +238,12 @@ def batches_router(jobs: Jobs, errors: Callable[..., dict], max_file_bytes: int)
                         f"{wrong[0]!r} is not", param="endpoint")
 
         def make() -> str:
-            job_id = jobs.create(items)
-            batch_id = "batch_" + job_id.removeprefix("job-")
-            pipe = r().pipeline(transaction=True)
-            pipe.hset(keys().batch(batch_id), mapping={
+            kept = req.output_expires_after
+            job_id = jobs.create(items, FILES_TTL_S if kept is None else kept.seconds, meta={
                 "input_file_id": req.input_file_id, "endpoint": req.endpoint,
                 "metadata": json.dumps(req.metadata) if req.metadata is not None else ""})
-            pipe.expire(keys().batch(batch_id), FILES_TTL_S)
-            pipe.zadd(keys().batches, {batch_id: time.time()})
-            pipe.execute()
+            batch_id = "batch_" + job_id.removeprefix("job-")
+            r().zadd(keys().batches, {batch_id: time.time()})
             return batch_id
         batch_id = await asyncio.to_thread(make)
         return await asyncio.to_thread(known, batch_id)

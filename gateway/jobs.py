@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from shoal.jobs import TASK_RUN_JOB, JobError, JobStore, make_celery, parse_lines
+from shoal.jobs import JOBS_TTL_S, TASK_RUN_JOB, JobError, JobStore, make_celery, parse_lines
 
 
 class JobStatus(BaseModel):
@@ -29,6 +29,7 @@ class JobStatus(BaseModel):
     started_at: float | None
     finished_at: float | None
     cancelled_at: float | None
+    expires_at: float | None = None  # once finished: when its status and results go
 
 
 class Jobs:
@@ -78,9 +79,11 @@ class Jobs:
                                  param=where) from e
         return items
 
-    def create(self, items: list[dict[str, Any]]) -> str:
-        """Store a job of `items` and send it to the Celery workers; its id (blocking)."""
-        job_id = self.store.create(items)
+    def create(self, items: list[dict[str, Any]], ttl_s: int = JOBS_TTL_S,
+               meta: dict[str, str] | None = None) -> str:
+        """Store a job of `items` (`JobStore.create`) and send it to the Celery workers; its id
+        (blocking)."""
+        job_id = self.store.create(items, ttl_s, meta)
         self._celery.send_task(TASK_RUN_JOB, args=[job_id])
         return job_id
 

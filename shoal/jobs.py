@@ -5,18 +5,21 @@ A job is a list of completion or chat requests, each with a `custom_id`. Its sta
 fleet's key prefix (`Keys.job*`):
 
 - `job:{id}` hash: `status` (queued, running, completed, failed, cancelled), `total`,
-  `completed`, `failed`, `cancelled` (requests that will never run) and Unix timestamps
-  `created_at`, `started_at`, `finished_at`, `cancelled_at`;
+  `completed`, `failed`, `cancelled` (requests that will never run), Unix timestamps
+  `created_at`, `started_at`, `finished_at`, `cancelled_at`, `ttl_s` (below) and the fields of
+  whoever made the job as `meta:{name}` (a batch's input file, endpoint and metadata);
 - `job:{id}:requests` list: the input lines (JSON), in input order;
-- `jobs` sorted set: every job id, scored by its creation time; `jobs:open` set: the ids of
-  the queued and running jobs (a job leaves it in the same script that makes it finished or
-  cancelled), so a starting Celery worker reads only those;
+- `jobs:open` set: the ids of the queued and running jobs (a job leaves it in the same script
+  that makes it finished or cancelled), so a starting Celery worker reads only those;
 - `job:{id}:results` hash: `custom_id` -> output line (JSON). Written once per `custom_id`
   (HSETNX) together with its count, in one Lua script, so a task run twice (a redelivery after a
   Celery worker died) neither duplicates a result nor counts it twice.
 
 A job finishes when every request has a result: `completed` if any request succeeded, `failed`
-if none did, and `cancelled` stays `cancelled`.
+if none did, and `cancelled` stays `cancelled`. The script that finishes it also sets its three
+keys to expire `ttl_s` seconds later (`JOBS_TTL_S`, 30 days, unless its maker chose: a batch's
+`output_expires_after`), as OpenAI keeps a batch's output files: without it every job ever run
+would stay in Redis.
 
 Celery uses the same Redis with its own key prefix (`{prefix}:celery:`): tasks acknowledge late
 (after they ran), and a task whose worker died is delivered again once the broker's visibility
@@ -44,6 +47,7 @@ TASK_RUN_JOB_REQUEST = "shoal.run_job_request"
 TASK_GENERATE = "shoal.generate"
 JOB_PRIORITY = 1  # batch requests yield to interactive ones (priority 0) in the scheduler
 TERMINAL = ("completed", "failed", "cancelled")
+JOBS_TTL_S = 30 * 86400  # how long a finished job is kept, in seconds
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
              "/v1/responses": "responses"}
 PATHS = {name: path for path, name in ENDPOINTS.items()}
@@ -56,12 +60,14 @@ def endpoint_of(request: dict[str, Any]) -> str:
         else "completions"
 
 # Records one request's output line and its count, once per custom_id; finishes the job when
-# every request has one. KEYS: job hash, results hash, open-jobs set. ARGV: custom_id, line,
-# counter, now, job id.
+# every request has one, its keys then expiring after its ttl_s (ARGV[6] for a job made
+# without one). KEYS: job hash, results hash, open-jobs set, requests list. ARGV: custom_id,
+# line, counter, now, job id, default ttl.
 _RECORD = """
 if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
-local h = redis.call('HMGET', KEYS[1], 'total', 'completed', 'failed', 'cancelled', 'status')
+local h = redis.call('HMGET', KEYS[1], 'total', 'completed', 'failed', 'cancelled', 'status',
+                     'ttl_s')
 local done = tonumber(h[2]) + tonumber(h[3]) + tonumber(h[4])
 if done >= tonumber(h[1]) then
   if h[5] ~= 'cancelled' then
@@ -69,6 +75,8 @@ if done >= tonumber(h[1]) then
   end
   redis.call('HSET', KEYS[1], 'finished_at', ARGV[4])
   redis.call('SREM', KEYS[3], ARGV[5])
+  local ttl = tonumber(h[6] or ARGV[6])
+  for _, k in ipairs({KEYS[1], KEYS[2], KEYS[4]}) do redis.call('EXPIRE', k, ttl) end
 end
 return 1
 """
@@ -161,18 +169,26 @@ class JobStore:
         self._start = client.register_script(_START)
         self._cancel = client.register_script(_CANCEL)
 
-    def create(self, items: list[dict[str, Any]]) -> str:
-        """Store a new job (status `queued`) and return its id."""
+    def create(self, items: list[dict[str, Any]], ttl_s: int = JOBS_TTL_S,
+               meta: dict[str, str] | None = None) -> str:
+        """Store a new job (status `queued`) and return its id. It is kept `ttl_s` seconds
+        once finished; `meta`: its maker's own fields (`metadata`)."""
         job_id = f"job-{uuid.uuid4().hex}"
         pipe = self.r.pipeline(transaction=True)
         pipe.rpush(self.keys.job_requests(job_id), *[json.dumps(i) for i in items])
         pipe.hset(self.keys.job(job_id), mapping={
             "status": "queued", "total": len(items), "completed": 0, "failed": 0,
-            "cancelled": 0, "created_at": time.time()})
-        pipe.zadd(self.keys.jobs, {job_id: time.time()})
+            "cancelled": 0, "created_at": time.time(), "ttl_s": ttl_s,
+            **{f"meta:{k}": v for k, v in (meta or {}).items()}})
         pipe.sadd(self.keys.jobs_open, job_id)
         pipe.execute()
         return job_id
+
+    def metadata(self, job_id: str) -> dict[str, str]:
+        """The `meta` the job was made with (empty for an unknown job)."""
+        fields = self.r.hgetall(self.keys.job(job_id))
+        return {k.decode()[5:]: v.decode() for k, v in fields.items()
+                if k.startswith(b"meta:")}
 
     def status(self, job_id: str) -> dict[str, Any] | None:
         """The job's status object (as `GET /v1/jobs/{id}` returns it), or None if unknown."""
@@ -181,10 +197,12 @@ class JobStore:
             return None
         stamp = {k: float(h[k]) if k in h else None
                  for k in ("created_at", "started_at", "finished_at", "cancelled_at")}
+        ttl_s = int(h.get("ttl_s", JOBS_TTL_S))
         return {"id": job_id, "object": "job", "status": h["status"],
                 "request_counts": {k: int(h[k]) for k in ("total", "completed", "failed",
                                                           "cancelled")},
-                **stamp}
+                **stamp, "expires_at": None if stamp["finished_at"] is None
+                else stamp["finished_at"] + ttl_s}
 
     def request(self, job_id: str, index: int) -> dict[str, Any]:
         return json.loads(self.r.lindex(self.keys.job_requests(job_id), index))
@@ -202,9 +220,10 @@ class JobStore:
     def record(self, job_id: str, custom_id: str, line: dict[str, Any], counter: str) -> bool:
         """Store one request's output line and count it under `counter` (completed, failed or
         cancelled), once per custom_id. Returns False when it was recorded already."""
-        keys = [self.keys.job(job_id), self.keys.job_results(job_id), self.keys.jobs_open]
+        keys = [self.keys.job(job_id), self.keys.job_results(job_id), self.keys.jobs_open,
+                self.keys.job_requests(job_id)]
         return bool(self._record(keys=keys, args=[custom_id, json.dumps(line), counter,
-                                                  time.time(), job_id]))
+                                                  time.time(), job_id, JOBS_TTL_S]))
 
     def cancel(self, job_id: str) -> str | None:
         """Cancel a queued or running job; requests not yet started will not run. Returns the

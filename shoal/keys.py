@@ -25,9 +25,8 @@ class Keys:
             it to refuse work beyond their bound with 429).
         lease: the active scheduler's id, with a TTL (SET NX PX, renewed by its holder).
         progress(id): list of a request's generated token ids, for a scheduler taking over.
-        jobs, jobs_open, job(id), job_requests(id), job_results(id): batch jobs
-            (shoal/jobs.py).
-        files, file(id), batches, batch(id): OpenAI's Files and Batch APIs over batch jobs
+        jobs_open, job(id), job_requests(id), job_results(id): batch jobs (shoal/jobs.py).
+        files, file(id), batches: OpenAI's Files and Batch APIs over batch jobs
             (gateway/batches.py).
         response(id): string with a TTL, a stored Responses API response and the input items
             it answered (JSON; gateway/responses.py `ResponseStore`).
@@ -91,19 +90,12 @@ class Keys:
     def batches(self) -> str:
         return f"{self.prefix}:batches"
 
-    def batch(self, batch_id: str) -> str:
-        return f"{self.prefix}:batch:{batch_id}"
-
     def response(self, response_id: str) -> str:
         return f"{self.prefix}:response:{response_id}"
 
     def rate(self, who: str, what: str, minute: int) -> str:
         """Counter of `what` ("requests" or "tokens") used by `who` (a key hash) in `minute`."""
         return f"{self.prefix}:rate:{who}:{what}:{minute}"
-
-    @property
-    def jobs(self) -> str:
-        return f"{self.prefix}:jobs"
 
     @property
     def jobs_open(self) -> str:

@@ -194,7 +194,15 @@ def test_openais_batch_api_runs_a_file_of_requests_as_a_job(jobs_fleet, celery_w
                   client.files.content(batch.error_file_id).text.splitlines()]
     assert refused["custom_id"] == "unknown-model" and refused["error"]["code"] == "rejected"
     assert refused["response"]["status_code"] == 404
-    assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
+    made = client.files.retrieve(batch.output_file_id)
+    assert made.purpose == "batch_output" and made.created_at == int(batch.completed_at)
+    assert made.expires_at == made.created_at + 30 * 86400  # kept as its job is
+    import redis as redis_lib
+
+    r = redis_lib.Redis.from_url(jobs_fleet["redis"])
+    job = "job-" + batch.id.removeprefix("batch_")
+    for key in (f"shoal:job:{job}", f"shoal:job:{job}:requests", f"shoal:job:{job}:results"):
+        assert 30 * 86400 - 100 < r.ttl(key) <= 30 * 86400, key
 
     client.files.delete(uploaded.id)
     with pytest.raises(openai.NotFoundError):
@@ -214,14 +222,15 @@ def test_openais_batch_api_runs_a_file_of_requests_as_a_job(jobs_fleet, celery_w
     hour = client.files.create(file=path.open("rb"), purpose="batch",
                                expires_after={"anchor": "created_at", "seconds": 3600})
     assert hour.expires_at == hour.created_at + 3600 == client.files.retrieve(hour.id).expires_at
-    import redis as redis_lib
-
-    ttl = redis_lib.Redis.from_url(jobs_fleet["redis"]).ttl(f"shoal:file:{hour.id}")
-    assert 3500 < ttl <= 3600
+    assert 3500 < r.ttl(f"shoal:file:{hour.id}") <= 3600
     assert other.expires_at == other.created_at + 30 * 86400
     with pytest.raises(openai.BadRequestError, match="expires_after"):
         client.files.create(file=path.open("rb"), purpose="batch",
                             expires_after={"anchor": "created_at", "seconds": 60})
+    with pytest.raises(openai.BadRequestError, match="output_expires_after.seconds"):
+        client.batches.create(input_file_id=other.id, endpoint="/v1/chat/completions",
+                              completion_window="24h",
+                              output_expires_after={"anchor": "created_at", "seconds": 60})
 
     # Cancelled: cancelling while its running requests end, then cancelled, the requests that
     # never ran in the error file.
@@ -229,7 +238,7 @@ def test_openais_batch_api_runs_a_file_of_requests_as_a_job(jobs_fleet, celery_w
         **lines[0]["body"], "max_tokens": 32, "ignore_eos": True}}) + "\n" for i in range(12)))
     batch = client.batches.create(input_file_id=client.files.create(
         file=path.open("rb"), purpose="batch").id, endpoint="/v1/chat/completions",
-        completion_window="24h")
+        completion_window="24h", output_expires_after={"anchor": "created_at", "seconds": 7200})
     assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
     deadline = time.monotonic() + 120
     while (batch := client.batches.retrieve(batch.id)).status != "cancelled":
@@ -239,6 +248,9 @@ def test_openais_batch_api_runs_a_file_of_requests_as_a_job(jobs_fleet, celery_w
                  client.files.content(batch.error_file_id).text.splitlines()]
     assert cancelled and set(cancelled) == {"cancelled"}
     assert batch.request_counts.completed + len(cancelled) == 12
+    errors = client.files.retrieve(batch.error_file_id)  # kept its output_expires_after
+    assert errors.expires_at == errors.created_at + 7200
+    assert 7100 < r.ttl("shoal:job:job-" + batch.id.removeprefix("batch_")) <= 7200
 
 
 def test_bad_jobs_are_refused_with_a_clear_error(jobs_fleet):
@@ -339,7 +351,7 @@ def test_unfinished_reads_only_open_jobs_and_their_missing_requests(jobs_fleet):
     the open set when it finishes or is cancelled."""
     import redis as redis_lib
 
-    from shoal.jobs import JobStore
+    from shoal.jobs import JOBS_TTL_S, JobStore
 
     store = JobStore(redis_lib.Redis.from_url(jobs_fleet["redis"]), prefix="unfinished-test")
     items = [{"custom_id": f"c{i}", "endpoint": "completions", "body": {"prompt": "x"}}
@@ -354,7 +366,22 @@ def test_unfinished_reads_only_open_jobs_and_their_missing_requests(jobs_fleet):
     assert store.status(finished)["status"] == "completed"
     assert store.unfinished() == {running: [0, 1, 3], queued: [0, 1, 2, 3]}
     assert {m.decode() for m in store.r.smembers(store.keys.jobs_open)} == {running, queued}
-    assert store.r.zcard(store.keys.jobs) == 4  # every job stays listed
+    # A finished job's keys expire after its ttl_s (30 days by default); open ones do not.
+    for job in (running, cancelled, queued):
+        assert store.r.ttl(store.keys.job(job)) == -1
+    for key in (store.keys.job(finished), store.keys.job_requests(finished),
+                store.keys.job_results(finished)):
+        assert JOBS_TTL_S - 100 < store.r.ttl(key) <= JOBS_TTL_S
+    status = store.status(finished)
+    assert status["expires_at"] == status["finished_at"] + JOBS_TTL_S
+    brief = store.create(items[:1], ttl_s=1)
+    store.record(brief, "c0", {"custom_id": "c0"}, "completed")
+    deadline = time.monotonic() + 10
+    while store.r.exists(store.keys.job(brief), store.keys.job_requests(brief),
+                         store.keys.job_results(brief)):
+        assert time.monotonic() < deadline, "a finished job's keys did not expire"
+        time.sleep(0.1)
+    assert store.status(brief) is None
 
 
 @pytest.mark.parametrize("celery_worker", [8], indirect=True)
