@@ -77,6 +77,7 @@ class _Call:
     end: int | None = None  # where it ends, once it has
     sent: int = 0  # characters of its arguments handed on
     opened: bool = False  # its name handed on
+    closed: bool = False  # its end handed on
 
 
 class CallArrayReader:
@@ -118,8 +119,8 @@ class CallArrayReader:
                 if upto > call.start + call.sent:
                     events.append(("arguments", k, self.text[call.start + call.sent:upto]))
                     call.sent = upto - call.start
-                if call.end is not None and call.sent == call.end - call.start:
-                    call.sent += 1  # past its end: closed once
+                if call.end is not None and not call.closed:
+                    call.closed = True
                     events.append(("close", k, ""))
         return events
 
