@@ -180,15 +180,24 @@ class Gateway(RequestPreparation):
         self.tool_call_parser: str | None = None  # GatewaySettings.tool_call_parser, likewise
         self.tracer = None  # spans of requests (shoal/tracing.py), set by create_app
         self.subscribed = False  # the token channel is live: requests may be enqueued
+        self.waiting = 0  # requests in the scheduler's pool, as it last published
 
     async def start(self) -> None:
         for model in self.catalog.models:
             await asyncio.to_thread(model.load)
         self.redis = aioredis.Redis.from_url(self.redis_url, **_CONNECTION_KWARGS)
-        pubsub = self.redis.pubsub()
-        await pubsub.subscribe(self.channel)  # before any request is enqueued
-        self.subscribed = True
+        pubsub = await self._subscribe()
         self._listener = asyncio.create_task(self._listen(pubsub))
+
+    async def _subscribe(self):
+        """Subscribe to this gateway's token channel (before any request is enqueued) and to the
+        pool's size, then read that size once: an update published meanwhile is not missed."""
+        assert self.redis is not None
+        pubsub = self.redis.pubsub()
+        await pubsub.subscribe(self.channel, self.keys.waiting_updates)
+        self.waiting = int(await self.redis.get(self.keys.waiting) or 0)
+        self.subscribed = True
+        return pubsub
 
     async def stop(self) -> None:
         if self._listener:
@@ -202,16 +211,18 @@ class Gateway(RequestPreparation):
         then fail with a clear error instead of hanging, and new ones are refused (503) until it
         is back."""
         backoff = 0.1
+        waiting_updates = self.keys.waiting_updates.encode()
         while True:
             try:
                 if pubsub is None:
-                    pubsub = self.redis.pubsub()
-                    await pubsub.subscribe(self.channel)
+                    pubsub = await self._subscribe()
                     log.warning("resubscribed to %s after a Redis outage", self.channel)
-                self.subscribed = True
                 backoff = 0.1
                 async for msg in pubsub.listen():
                     if msg.get("type") != "message":
+                        continue
+                    if msg["channel"] == waiting_updates:
+                        self.waiting = int(msg["data"])
                         continue
                     message = decode(msg["data"])
                     # One iteration's events (TokenEvents); a lone TokenEvent from an older
@@ -345,21 +356,19 @@ class Gateway(RequestPreparation):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def check_capacity(self, max_waiting: int) -> None:
+    def check_capacity(self, max_waiting: int) -> None:
         """Refuse new work while the token channel is down or the scheduler's pool holds
-        `max_waiting` requests.
+        `max_waiting` requests (its size as the scheduler last published it, so no round trip).
 
         Raises:
             APIError: 503 while reconnecting to Redis; 429 with the pool's size when overloaded.
         """
-        assert self.redis is not None
         if not self.subscribed:
             raise APIError("the gateway is reconnecting to the request queue (Redis); retry",
                            status=503, kind="server_error")
-        waiting = int(await self.redis.get(self.keys.waiting) or 0)
-        if waiting >= max_waiting:
-            raise APIError(f"the fleet is overloaded: {waiting} requests are waiting; retry later",
-                           status=429, kind="rate_limit_error")
+        if self.waiting >= max_waiting:
+            raise APIError(f"the fleet is overloaded: {self.waiting} requests are waiting; retry "
+                           "later", status=429, kind="rate_limit_error")
 
     async def charge(self, api_key: str | None, tokens: int, settings: GatewaySettings) -> None:
         """Count a request against its key's per-minute budgets (fixed windows in Redis, so every
@@ -854,7 +863,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
     async def admit(ps: list[Prepared], key: str | None) -> None:
         """Overload and per-key rate limits (`key`: the API key presented), checked before a
         request (its choices) is enqueued."""
-        await gw.check_capacity(settings.max_waiting)
+        gw.check_capacity(settings.max_waiting)
         await gw.charge(key, sum(len(p.prompt_ids) + p.params.max_tokens for p in ps), settings)
 
     @app.get("/healthz")

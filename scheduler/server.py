@@ -257,6 +257,9 @@ class SchedulerServer:
             metrics.REQUESTS_WAITING.labels(model).set(n)
         if len(self.core.waiting) != self._published_waiting:
             self._published_waiting = len(self.core.waiting)
+            # Published before it is set: whoever reads the key's new value finds the gateways
+            # told already.
+            self._outbox.publish(self.keys.waiting_updates, self._published_waiting)
             self._outbox.set(self.keys.waiting, self._published_waiting)
         if due is not None:
             self._alarm.set(due)

@@ -22,7 +22,9 @@ class Keys:
         wakeups: list that rings the scheduler (gateway RPUSH after each request and cancel,
             trimmed to one entry; scheduler BLPOPs it beside `results`, deletes it when it reads).
         waiting: integer, requests waiting in the scheduler's pool (scheduler SET, gateways read
-            it to refuse work beyond their bound with 429).
+            it at start-up and after a Redis outage to refuse work beyond their bound with 429).
+        waiting_updates: pub/sub channel of the same integer, published with each change: the
+            gateways keep it in memory rather than read it per request.
         lease: the active scheduler's id, with a TTL (SET NX PX, renewed by its holder).
         progress(id): list of a request's generated token ids, for a scheduler taking over.
         jobs_open, job(id), job_requests(id), job_results(id): batch jobs (shoal/jobs.py).
@@ -71,6 +73,10 @@ class Keys:
     @property
     def waiting(self) -> str:
         return f"{self.prefix}:waiting"
+
+    @property
+    def waiting_updates(self) -> str:
+        return f"{self.prefix}:waiting:updates"
 
     @property
     def lease(self) -> str:
