@@ -409,8 +409,9 @@ class ResponseShape:
         opening = self.body("", None, None)
         group = [event("response.created", response=opening),
                  event("response.in_progress", response=opening)]
-        # What streams as it comes: the message, or the call a named tool_choice forces (its
-        # arguments piece by piece); replies that may or may not be calls come whole at the end.
+        # What streams as one item from the start: the message, or the call a named tool_choice
+        # forces (its arguments piece by piece). "required" calls open as their names come
+        # (below); "auto" replies stream their text until a call begins, the calls whole.
         streamed = None
         if self.tools is None:
             streamed = self.message("", "in_progress")
