@@ -579,12 +579,14 @@ def test_an_engine_failure_fails_only_the_request_that_breaks_it(monkeypatch, wh
         sched.add_request(_sub(rid, 6, 4, float(i)))
     events: list = []
     workers = {"w": w}
-    from worker.metrics import FAILED_ITERATIONS
+    from worker.metrics import FAILED_ITERATIONS, FAILED_REQUESTS
 
-    before = FAILED_ITERATIONS._value.get()
+    before = FAILED_ITERATIONS._value.get(), FAILED_REQUESTS._value.get()
     while sched.requests:
         _pump(sched, workers, events)
-    assert FAILED_ITERATIONS._value.get() == before + 1  # shoal_engine_failed_iterations_total
+    # shoal_engine_failed_iterations_total and shoal_engine_failed_requests_total
+    assert (FAILED_ITERATIONS._value.get(), FAILED_REQUESTS._value.get()) == \
+        (before[0] + 1, before[1] + 1)
     failed = {e.request_id: e for e in events if e.finish_reason == "error"}
     assert list(failed) == ["poison"]
     assert failed["poison"].error_status == 500 and "RuntimeError" in failed["poison"].error

@@ -27,7 +27,10 @@ STRUCTURED_OUTPUT_MASK_SECONDS = Counter(
     "pass runs) and applying them")
 MODEL_LOAD_SECONDS = Gauge("shoal_model_load_seconds", "Time to load the model, in seconds")
 FAILED_ITERATIONS = Counter("shoal_engine_failed_iterations",
-                            "Iterations whose engine step raised: their requests failed (500)")
+                            "Iterations whose engine step raised (their requests then recomputed "
+                            "in halves to find the one that broke it)")
+FAILED_REQUESTS = Counter("shoal_engine_failed_requests",
+                          "Requests that broke the engine, found alone and failed (500)")
 
 
 def observe_iteration(num_prefill_tokens: int, num_decode_tokens: int, step_seconds: float,

@@ -365,6 +365,7 @@ class WorkerServer:
         steps that ran."""
         def culprit(r: NewRequest, err: Exception) -> TokenOutput:
             log.error("request %s breaks the engine: %r", r.request_id, err)
+            metrics.FAILED_REQUESTS.inc()
             return TokenOutput(r.request_id, None, len(r.output_token_ids), finish_reason="error",
                                error=f"the worker's engine failed running this request: "
                                      f"{type(err).__name__}: {err}", error_status=500)
