@@ -84,6 +84,7 @@ class RequestPreparation:
                                   seed=req.seed,
                                   stop_token_ids=tuple(req.stop_token_ids or ()),
                                   allowed_token_ids=tuple(req.allowed_token_ids or ()),
+                                  bad_words_token_ids=_bad_words(req.bad_words or (), model),
                                   ignore_eos=req.ignore_eos,
                                   min_tokens=min(req.min_tokens, max_tokens), logprobs=logprobs,
                                   top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
@@ -205,6 +206,18 @@ def _prepared(model: ServedModel, request_id: str, ids: list[int], params: Sampl
               req: GenerationRequest) -> Prepared:
     return Prepared(model, request_id, ids, params, _stops(req.stop), req.priority,
                     req.include_stop_str_in_output, req.skip_special_tokens)
+
+
+def _bad_words(words, model: ServedModel) -> tuple[tuple[int, ...], ...]:
+    """vLLM's `bad_words` as token id sequences: each word as it would be written at the start
+    of the text and after a space (the two tokenize differently), without its leading spaces;
+    the second only where it differs from the first."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(model.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(model.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        out += [w for w in dict.fromkeys((bare, spaced)) if w]
+    return tuple(out)
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:

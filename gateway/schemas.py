@@ -160,6 +160,7 @@ MAX_CHOICES = 16  # most choices (`n`) of one request
 MAX_PROMPTS = 64  # most prompts of one completions request
 MAX_REQUESTS = 256  # most requests (prompts x choices) one API request becomes in the fleet
 MAX_TOKEN_LIST = 4096  # most token ids in stop_token_ids or allowed_token_ids
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 256, 256  # bounds on bad_words, each checked every step
 MAX_REQUEST_ID_CHARS = 256  # longest client request id (X-Request-Id or the body's request_id)
 
 
@@ -224,6 +225,10 @@ class GenerationRequest(BaseModel):
     allowed_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(
         default=None, min_length=1, max_length=MAX_TOKEN_LIST,
         description="sample only among these token ids")
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]] | None = (
+        Field(default=None, max_length=MAX_BAD_WORDS,
+              description="words the output may not hold, at its start or after a space "
+              "(vLLM's): the token that would complete one is never sampled"))
     truncate_prompt_tokens: int | None = Field(
         default=None, ge=1, le=INT32_MAX, description="keep only the prompt's last k tokens")
     prompt_logprobs: int | None = Field(

@@ -74,6 +74,9 @@ class SamplingParams:
             its prompts; None shares with every other unsalted request.
         allowed_token_ids: when given, the only token ids the request may sample (vLLM's
             `allowed_token_ids`); empty allows all.
+        bad_words_token_ids: token id sequences the output may not hold (vLLM's `bad_words`,
+            tokenized): a sequence's last token cannot be sampled where the output ends with
+            the rest of it (a one-token sequence never).
         structured_output: None, or a constraint the generated text must match (JSON Schema,
             regular expression, choice, grammar; `shoal.structured_output`): every sampled
             token is one the constraint allows, and the request stops when it is complete.
@@ -100,6 +103,7 @@ class SamplingParams:
     n_discard: int | None = None
     cache_salt: str | None = None
     allowed_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
     structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
@@ -148,6 +152,11 @@ class SamplingParams:
                            tuple(int(t) for t in self.allowed_token_ids))
         if any(t < 0 for t in self.allowed_token_ids):
             raise InvalidSamplingParams("allowed_token_ids must be token ids (>= 0)")
+        bad = tuple(tuple(int(t) for t in word) for word in self.bad_words_token_ids)
+        if any(not word or min(word) < 0 for word in bad):
+            raise InvalidSamplingParams("bad_words_token_ids must be non-empty sequences of "
+                                        "token ids (>= 0)")
+        object.__setattr__(self, "bad_words_token_ids", bad)
         bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias):
             raise InvalidSamplingParams("logit_bias maps token ids (>= 0) to biases in [-100, 100]")
@@ -176,6 +185,7 @@ class SamplingParams:
         d = asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["allowed_token_ids"] = list(self.allowed_token_ids)
+        d["bad_words_token_ids"] = [list(word) for word in self.bad_words_token_ids]
         d["logit_bias"] = [list(pair) for pair in self.logit_bias]  # msgpack maps want str keys
         return d
 

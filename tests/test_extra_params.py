@@ -1,5 +1,5 @@
 """vLLM's extra request parameters (stop_token_ids, include_stop_str_in_output,
-skip_special_tokens, allowed_token_ids, truncate_prompt_tokens; for chat add_generation_prompt,
+skip_special_tokens, allowed_token_ids, bad_words, truncate_prompt_tokens; for chat add_generation_prompt,
 continue_final_message, chat_template_kwargs), `/health` and the flags --served-model-name and
 --chat-template, through a real fleet against the in-process engine and the tokenizer's own chat
 template."""
@@ -79,6 +79,20 @@ def test_allowed_token_ids_are_the_only_tokens_sampled(fleet, oracle, tokenizer)
         assert re.fullmatch("( yes| no){6}", c["text"]), c["text"]
 
 
+def test_bad_words_are_never_written(fleet, oracle, tokenizer):
+    """`bad_words` (vLLM's): a word of the greedy reply, banned, is not written as the text's
+    first word nor after a space; the reply is the engine's with both tokenizations banned."""
+    prompt = "The capital of France is"
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    plain = _complete(fleet, prompt=prompt, max_tokens=12)["choices"][0]["text"]
+    word = max(re.findall(r"[A-Za-z]+", plain), key=len)
+    out = _complete(fleet, prompt=prompt, max_tokens=12, bad_words=[word])
+    banned = tuple(tuple(tokenizer.encode(w, add_special_tokens=False)) for w in (word, " " + word))
+    text = out["choices"][0]["text"]
+    assert text == tokenizer.decode(oracle(ids, 12, bad_words_token_ids=banned)) != plain
+    assert not re.search(rf"(^| ){word}", text), (word, text)
+
+
 def test_min_p_keeps_only_tokens_near_the_most_likely(fleet, oracle, tokenizer):
     """vLLM's `min_p`: at 1 only the most likely token survives, so even a hot temperature gives
     the greedy tokens; a small min_p still samples."""
@@ -123,6 +137,7 @@ def test_chat_can_continue_the_final_message_or_open_no_turn(fleet, oracle, toke
     ("completions", {"stop_token_ids": [49152]}, "stop_token_ids"),
     ("completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("completions", {"min_p": 1.5}, "min_p"),
+    ("completions", {"bad_words": [""]}, "bad_words.0"),
     ("chat", {"allowed_token_ids": [5], "structured_outputs": {"regex": "a"}},
      "allowed_token_ids"),
 ])

@@ -100,6 +100,31 @@ def test_penalized_greedy_tokens_match_transformers(fp32_model, hf_model, tokeni
         assert ours != plain, kw  # the penalty changed what greedy picks
 
 
+def test_bad_words_match_transformers(fp32_model, hf_model, tokenizer):
+    """vLLM's `bad_words` as token sequences: a one-token word is never sampled, and a
+    two-token word's second token not right after its first; greedy tokens against
+    transformers' `bad_words_ids` (which bans the same way), on words taken from the
+    unconstrained reply so that the ban changes it."""
+    prompt = tokenizer.encode("The capital of France is Paris. The capital of Italy is",
+                              add_special_tokens=False)
+    engine = make_engine(fp32_model)
+    plain = _greedy(engine, prompt, 24, {})
+    one = (plain[1],)
+    two = next((plain[k], plain[k + 1]) for k in range(2, len(plain) - 1)
+               if plain[k] != prompt[-1] and plain[k + 1] not in plain[:k + 1])
+    for words in ([one], [two], [one, two]):
+        ours = _greedy(engine, prompt, 24, {"bad_words_token_ids": tuple(words)})
+        with torch.inference_mode():
+            g = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                  bad_words_ids=[list(w) for w in words])
+        assert ours == g[0, len(prompt):].tolist(), words
+        assert ours != plain, words
+        if one in words:
+            assert one[0] not in ours
+        if two in words:
+            assert all(tuple(ours[k:k + 2]) != two for k in range(len(ours) - 1))
+
+
 def _greedy(engine, prompt: list[int], max_tokens: int, kw: dict) -> list[int]:
     from worker.offline import generate
 

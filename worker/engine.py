@@ -230,11 +230,12 @@ class Engine:
         if req.request_id in self.running:
             raise InvalidRequestError(f"request {req.request_id} is already running")
         vocab = self.model_cfg.vocab_size
-        named = [t for t, _ in req.params.logit_bias] + list(req.params.allowed_token_ids)
+        named = [t for t, _ in req.params.logit_bias] + list(req.params.allowed_token_ids) + [
+            t for word in req.params.bad_words_token_ids for t in word]
         if any(t < 0 or t >= vocab for t in tokens) or any(t >= vocab for t in named):
             raise InvalidRequestError(
-                f"request {req.request_id}: token ids (of the prompt, the output, logit_bias and "
-                f"allowed_token_ids) must be in [0, {vocab})"
+                f"request {req.request_id}: token ids (of the prompt, the output, logit_bias, "
+                f"allowed_token_ids and bad words) must be in [0, {vocab})"
             )
         p = req.params
         overflow = p.context_overflow != "error"
@@ -649,18 +650,22 @@ class Engine:
                             [(s.token_ids, s.num_prompt_tokens) for s in seqs])
 
     def _banned_tokens(self, s: Sequence) -> list[int]:
-        """`min_tokens`: before it is reached, EOS (unless ignored) and the stop tokens cannot be
-        sampled (as in vLLM); the token ids `s` may not sample now. A structured output that
-        is complete may end sooner, as may a request whose `allowed_token_ids` hold nothing
-        else: their constraint may allow nothing else."""
-        if s.num_output_tokens >= s.params.min_tokens or (s.matcher is not None
-                                                          and s.matcher.is_accepting()):
+        """The token ids `s` may not sample now: the last token of each of its bad words whose
+        other tokens end its output (vLLM's `bad_words`); and before `min_tokens` is reached,
+        EOS (unless ignored) and the stop tokens (as in vLLM). A structured output that is
+        complete may end before `min_tokens`. Nothing is banned where `allowed_token_ids` hold
+        nothing else: the request could not go on."""
+        p = s.params
+        banned = _bad_word_ends(p.bad_words_token_ids, s.token_ids,
+                                s.num_output_tokens) if p.bad_words_token_ids else []
+        if s.num_output_tokens < p.min_tokens and not (s.matcher is not None
+                                                       and s.matcher.is_accepting()):
+            eos = self.model_cfg.eos_token_id
+            banned += list(p.stop_token_ids) + (
+                [eos] if eos is not None and not p.ignore_eos else [])
+        if banned and p.allowed_token_ids and not set(p.allowed_token_ids) - set(banned):
             return []
-        eos = self.model_cfg.eos_token_id
-        banned = list(s.params.stop_token_ids) + (
-            [eos] if eos is not None and not s.params.ignore_eos else [])
-        allowed = s.params.allowed_token_ids
-        return banned if not allowed or set(allowed) - set(banned) else []
+        return banned
 
     @torch.inference_mode()  # the logits are an inference tensor: written in place only here
     def _restrict(self, logits: torch.Tensor, samplers: list[Sequence]) -> bool:
@@ -690,6 +695,15 @@ class Engine:
         if s.context_len >= self.max_model_len and p.context_overflow == "error":
             return "length"
         return None
+
+
+def _bad_word_ends(words: tuple[tuple[int, ...], ...], token_ids: list[int],
+                   num_output_tokens: int) -> list[int]:
+    """The last token of each of `words` (token id sequences) whose other tokens are the last
+    of the output, the final `num_output_tokens` of `token_ids`: sampling it would complete the
+    word. A one-token word is always banned."""
+    return [w[-1] for w in words if len(w) - 1 <= num_output_tokens
+            and (len(w) == 1 or token_ids[len(token_ids) - len(w) + 1:] == list(w[:-1]))]
 
 
 def _common_prefix(a: list[bytes], b: list[bytes]) -> int:
