@@ -525,6 +525,12 @@ def _prompt_logprobs(model: ServedModel, ids: list[int], c: _Choice, k: int
     return out
 
 
+def _token_name(model: ServedModel, as_token_ids: bool) -> Callable[[int], str]:
+    """How logprobs name a token: its text, or `token_id:<id>` (vLLM's
+    `return_tokens_as_token_ids`, for tokens whose bytes are not text alone)."""
+    return (lambda t: f"token_id:{t}") if as_token_ids else model.token_text
+
+
 def _token_slice(ev: TokenEvent, start: int, end: int) -> TokenEvent:
     """`ev` with only its tokens `start:end` (and their logprobs)."""
     return replace(ev, index=ev.index + start, token_ids=ev.token_ids[start:end],
@@ -999,8 +1005,10 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
             if req.logprobs is None:
                 return None
             texts = [model.token_text(t) for t in ids]
-            return {"tokens": texts, "token_logprobs": lps,
-                    "top_logprobs": [None if top is None else {model.token_text(t): lp for t, lp in top}
+            name = _token_name(model, req.return_tokens_as_token_ids)
+            return {"tokens": [name(t) for t in ids] if req.return_tokens_as_token_ids else texts,
+                    "token_logprobs": lps,
+                    "top_logprobs": [None if top is None else {name(t): lp for t, lp in top}
                                      for top in tops] if req.logprobs and tops else None,
                     "text_offset": list(itertools.accumulate(map(len, texts[:-1]), initial=start))
                     if texts else []}
@@ -1066,8 +1074,10 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
             if not req.logprobs:
                 return None
 
+            name = _token_name(p.model, req.return_tokens_as_token_ids)
+
             def entry(t: int, lp: float | None) -> dict[str, Any]:
-                text = p.model.token_text(t)
+                text = name(t)
                 return {"token": text, "logprob": lp, "bytes": list(text.encode())}
             return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]}
                                 for t, lp, top in zip(ids, lps, tops or [[]] * len(ids))]}

@@ -225,6 +225,9 @@ class GenerationRequest(BaseModel):
     allowed_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(
         default=None, min_length=1, max_length=MAX_TOKEN_LIST,
         description="sample only among these token ids")
+    return_tokens_as_token_ids: bool = Field(
+        default=False, description="with logprobs, name each token `token_id:<id>` rather than "
+        "by its text, which may not be valid UTF-8 alone (vLLM's)")
     bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]] | None = (
         Field(default=None, max_length=MAX_BAD_WORDS,
               description="words the output may not hold, at its start or after a space "

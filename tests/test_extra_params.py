@@ -1,5 +1,6 @@
 """vLLM's extra request parameters (stop_token_ids, include_stop_str_in_output,
-skip_special_tokens, allowed_token_ids, bad_words, truncate_prompt_tokens; for chat add_generation_prompt,
+skip_special_tokens, allowed_token_ids, bad_words, return_tokens_as_token_ids,
+truncate_prompt_tokens; for chat add_generation_prompt,
 continue_final_message, chat_template_kwargs), `/health` and the flags --served-model-name and
 --chat-template, through a real fleet against the in-process engine and the tokenizer's own chat
 template."""
@@ -91,6 +92,29 @@ def test_bad_words_are_never_written(fleet, oracle, tokenizer):
     text = out["choices"][0]["text"]
     assert text == tokenizer.decode(oracle(ids, 12, bad_words_token_ids=banned)) != plain
     assert not re.search(rf"(^| ){word}", text), (word, text)
+
+
+def test_tokens_can_be_named_by_their_ids(fleet, oracle, tokenizer):
+    """`return_tokens_as_token_ids` (vLLM's): logprobs name each token, and each of its step's
+    alternatives, `token_id:<id>`; the same logprobs and text offsets as with their texts."""
+    prompt = "The capital of France is"
+    ids = oracle(tokenizer.encode(prompt, add_special_tokens=False), 5)
+    ask = {"prompt": prompt, "max_tokens": 5, "logprobs": 2}
+    named, texts = (_complete(fleet, **ask, return_tokens_as_token_ids=flag)["choices"][0]["logprobs"]
+                    for flag in (True, False))
+    assert named["tokens"] == [f"token_id:{t}" for t in ids]
+    assert texts["tokens"] == [tokenizer.decode([t]) for t in ids]
+    assert named["token_logprobs"] == texts["token_logprobs"]
+    assert named["text_offset"] == texts["text_offset"]
+    for top_ids, top_texts in zip(named["top_logprobs"], texts["top_logprobs"]):
+        assert all(re.fullmatch(r"token_id:\d+", k) for k in top_ids)
+        assert sorted(top_ids.values()) == sorted(top_texts.values())
+    chat = _chat(fleet, messages=QUESTION, max_tokens=4, logprobs=True, top_logprobs=2,
+                 return_tokens_as_token_ids=True)["choices"][0]["logprobs"]["content"]
+    for entry in chat:
+        assert re.fullmatch(r"token_id:\d+", entry["token"])
+        assert entry["bytes"] == list(entry["token"].encode())
+        assert all(re.fullmatch(r"token_id:\d+", a["token"]) for a in entry["top_logprobs"])
 
 
 def test_min_p_keeps_only_tokens_near_the_most_likely(fleet, oracle, tokenizer):
