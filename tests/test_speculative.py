@@ -102,6 +102,24 @@ def test_drafted_tokens_equal_plain_decoding(fp32_model, tokenizer, params):
     assert spec.num_free_blocks == spec.num_total_blocks
 
 
+def test_drafts_complete_no_bad_word(fp32_model, tokenizer):
+    """A bad word whose first token a kept draft supplies still has its last one banned in the
+    same pass: the tokens equal plain decoding's with the same bad words, and hold no bad word."""
+    prompt = _repetitive_prompt(tokenizer)
+    base = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    free = generate(make_engine(fp32_model), [NewRequest("r", prompt, base)])["r"].token_ids
+    # A pair the reply repeats (a copy, which prompt lookup drafts), not at its start.
+    word = next((a, b) for k, (a, b) in enumerate(zip(free[4:], free[5:]), 4)
+                if (a, b) in zip(free[:k], free[1:k]))
+    params = replace(base, bad_words_token_ids=(word,))
+    spec = make_engine(fp32_model, speculative=SPEC)
+    want = generate(make_engine(fp32_model), [NewRequest("r", prompt, params)])["r"].token_ids
+    got = generate(spec, [NewRequest("r", prompt, params)])["r"].token_ids
+    assert got == want != free
+    assert word not in set(zip(got, got[1:]))
+    assert spec.spec_accepted_tokens > 0
+
+
 def test_a_pass_yields_the_drafts_kept_plus_one_and_frees_the_rejected_blocks(fp32_model, tokenizer):
     prompt = _repetitive_prompt(tokenizer)
     spec = make_engine(fp32_model, speculative=SPEC, block_size=4)

@@ -533,11 +533,13 @@ class Engine:
         # The matchers are the mask thread's until it is done (`_banned_tokens` reads them).
         self.grammars.wait(masks)
         # Greedy rows that want no logprobs, ban no token, adjust no logit (bias, penalty) and
-        # have no structured output nor allowed tokens need only the argmax.
+        # have no structured output nor allowed tokens need only the argmax. (Bad words may ban
+        # a token in a later round, after a draft completes one's prefix.)
         seqs = [s for s, _ in samplers]
         full = (self.keep_logits or self.sampler.needs_logits([s.params for s in seqs])
                 or any(self._banned_tokens(s) or s.matcher is not None
-                       or s.params.allowed_token_ids for s in seqs))
+                       or s.params.allowed_token_ids or s.params.bad_words_token_ids
+                       for s in seqs))
         logits, argmax = self.model.compute_logits(hidden, full)  # the sampling rows only
         # Sampling runs on the CPU: each request's seeded generator is a CPU generator, and the
         # rows that sample are few. (On the CPU these are no-ops.)
