@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hashlib
 import hmac
 import itertools
@@ -18,6 +19,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal
 
@@ -181,6 +183,7 @@ class Gateway(RequestPreparation):
         self.tracer = None  # spans of requests (shoal/tracing.py), set by create_app
         self.subscribed = False  # the token channel is live: requests may be enqueued
         self.waiting = 0  # requests in the scheduler's pool, as it last published
+        self._preparer = ThreadPoolExecutor(1, thread_name_prefix="shoal-prepare")
 
     async def start(self) -> None:
         for model in self.catalog.models:
@@ -204,6 +207,19 @@ class Gateway(RequestPreparation):
             self._listener.cancel()
         if self.redis:
             await self.redis.aclose()
+        self._preparer.shutdown(wait=False)
+
+    async def prepare(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` (a `prepare_*` method, or any that tokenizes), on the gateway's preparing
+        thread: a long prompt's chat template and tokenization take milliseconds (20,000 tokens
+        33 ms here), a stall of every stream the event loop serves, and the tokenizer's Rust
+        code runs there without the GIL, beside the loop. One thread, so that the tokenizers
+        see one caller at a time.
+
+        Raises:
+            what `fn` raises (`APIError` for a request that cannot be served)."""
+        call = contextvars.copy_context().run
+        return await asyncio.get_running_loop().run_in_executor(self._preparer, call, fn, *args)
 
     async def _listen(self, pubsub) -> None:
         """Route token events to the waiting requests; resubscribe with backoff after a Redis
@@ -910,8 +926,8 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give either prompt or messages", param="prompt")
         model = gw.catalog.get(req.model)
-        ids = (model.chat_ids(req.messages) if req.messages is not None
-               else model.prompt_ids(req.prompt))
+        ids = await (gw.prepare(model.chat_ids, req.messages) if req.messages is not None
+                     else gw.prepare(model.prompt_ids, req.prompt))
         return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", responses=error_responses(400, 401, 404))
@@ -990,7 +1006,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
 
     @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(req: CompletionRequest, request: Request):
-        rid, prompts = gw.prepare_completion(req)
+        rid, prompts = await gw.prepare(gw.prepare_completion, req)
         rid = _reply_id("cmpl", request, req, rid)
         ps = gw.choices(prompts, req.n)
         await admit(ps, _presented_key(request.headers))
@@ -1120,14 +1136,14 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
 
     @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat(req: ChatRequest, request: Request):
-        p = gw.prepare_chat(req)
+        p = await gw.prepare(gw.prepare_chat, req)
         return await chat_reply(req, _reply_id("chatcmpl", request, req, p.request_id), [p],
                                 request)
 
     @app.post("/v1/chat/completions/batch", responses=error_responses(400, 401, 404, 429, 503))
     async def chat_batch(req: BatchChatRequest, request: Request):
         """vLLM's: several conversations in one request, choice k answering conversation k."""
-        rid, prompts = gw.prepare_chat_batch(req)
+        rid, prompts = await gw.prepare(gw.prepare_chat_batch, req)
         return await chat_reply(req, _reply_id("chatcmpl", request, req, rid), prompts, request)
 
     @app.post("/invocations", responses=GENERATION_RESPONSES, openapi_extra={"requestBody": {
@@ -1159,7 +1175,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         history = await store.history(req.previous_response_id) \
             if req.previous_response_id else []
         with responses_refusals():
-            p = gw.prepare_chat(req.to_chat(history))
+            p = await gw.prepare(gw.prepare_chat, req.to_chat(history))
         await admit([p], _presented_key(request.headers))
         shape = ResponseShape(req, p.model.name, p.tools)
         items = [*history, *req.items()]
@@ -1210,7 +1226,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
     async def messages(req: anthropic.MessagesRequest, request: Request):
         """Anthropic's Messages API, served as a chat request (gateway/anthropic.py)."""
         with anthropic.refusals():
-            p = gw.prepare_chat(req.to_chat())
+            p = await gw.prepare(gw.prepare_chat, req.to_chat())
         await admit([p], _presented_key(request.headers))
         shape = anthropic.MessageShape(req, p.model.name, p.tools, len(p.prompt_ids))
         if req.stream:
@@ -1222,7 +1238,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         """TGI's generation, served as a completions request (gateway/tgi.py): its stream, or
         its answer."""
         with tgi.refusals():
-            _, (p,) = gw.prepare_completion(req.to_completion(stream))
+            _, (p,) = await gw.prepare(gw.prepare_completion, req.to_completion(stream))
         await admit([p], _presented_key(request.headers))
         shape = tgi.GenerationShape(req, p.model, p.prompt_ids,
                                     p.params.seed if req.parameters.sampling else None)
@@ -1261,7 +1277,8 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
     async def count_tokens(req: anthropic.CountTokensRequest):
         """Anthropic's: the prompt tokens a Messages request of this conversation would have."""
         with anthropic.refusals():
-            return {"input_tokens": len(gw.chat_prompt(req.chat_request())[1])}
+            return {"input_tokens": len((await gw.prepare(gw.chat_prompt,
+                                                          req.chat_request()))[1])}
 
     @app.websocket("/v1/stream")
     async def stream(ws: WebSocket):
@@ -1275,8 +1292,9 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         try:
             body = await ws.receive_json()
             try:
-                prompts = ([gw.prepare_chat(ChatRequest(**body))] if "messages" in body
-                           else gw.prepare_completion(CompletionRequest(**body))[1])
+                prompts = ([await gw.prepare(gw.prepare_chat, ChatRequest(**body))]
+                           if "messages" in body else
+                           (await gw.prepare(gw.prepare_completion, CompletionRequest(**body)))[1])
             except ValidationError as e:
                 raise invalid_request(e.errors()) from e
             if body.get("n", 1) != 1 or len(prompts) != 1:
