@@ -60,6 +60,16 @@ def finished_requests(log_path) -> dict[str, dict]:
     return out
 
 
+@pytest.fixture
+def redis_url():
+    """A redis-server of its own on a free port, for one test."""
+    from shoal.fleet import free_port, start_redis, stop_all
+
+    proc = start_redis(port := free_port())
+    yield f"redis://127.0.0.1:{port}/0"
+    stop_all([proc])
+
+
 @contextlib.contextmanager
 def running_fleet(worker_args: tuple[str, ...] = (), scheduler_log=None,
                   gateway_args: tuple[str, ...] = ()):

@@ -8,18 +8,9 @@ import asyncio
 import threading
 
 import httpx
-import pytest
 
 from gateway.app import create_app
 from gateway.models import ServedModel
-from shoal.fleet import free_port, start_redis, stop_all
-
-
-@pytest.fixture
-def redis_url():
-    proc = start_redis(port := free_port())
-    yield f"redis://127.0.0.1:{port}/0"
-    stop_all([proc])
 
 
 def test_prompts_are_tokenized_off_the_event_loop(redis_url, monkeypatch):

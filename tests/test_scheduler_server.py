@@ -8,14 +8,12 @@ import contextlib
 import threading
 import time
 
-import pytest
 import redis
 import redis.asyncio
 
 import scheduler.server as scheduler_server
 from gateway.app import Gateway
 from gateway.schemas import CompletionRequest
-from shoal.fleet import free_port, start_redis, stop_all
 from shoal.keys import Keys
 from shoal.messages import (
     IterationPlan,
@@ -29,13 +27,6 @@ from shoal.messages import (
     encode,
 )
 from shoal.sampling_params import SamplingParams
-
-
-@pytest.fixture
-def redis_url():
-    proc = start_redis(port := free_port())
-    yield f"redis://127.0.0.1:{port}/0"
-    stop_all([proc])
 
 
 def test_the_scheduler_sleeps_until_a_request_or_a_cancel_rings(redis_url, monkeypatch):
