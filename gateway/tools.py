@@ -8,17 +8,23 @@ most without `parallel_tool_calls`), and becomes the calls in order (finish_reas
 "tool_calls"). Both are how vLLM serves these two choices, with no model-specific parser.
 
 With `"auto"` (the default with tools) the model may answer or call, and a tool-call parser
-tells which it did, as vLLM's `--enable-auto-tool-choice --tool-call-parser`: `hermes` reads
-calls written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes, Qwen and
-others; a JSON list inside one block, SmolLM2's form, is read too). Without a parser the
-gateway refuses "auto", as vLLM does: nothing could tell a call from an answer.
+tells which it did, as vLLM's `--enable-auto-tool-choice --tool-call-parser` (`PARSERS`):
+`hermes` reads calls written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+(Hermes, Qwen and others; a JSON list inside one block, SmolLM2's form, is read too);
+`llama3_json` a reply that is JSON calls, `{"name": ..., "parameters": {...}}`, several
+separated by `;`, after Llama 3.1's optional `<|python_tag|>`; `pythonic` a reply that is a
+Python list of calls with literal arguments, `[get_weather(city="Paris"), ...]` (Llama 3.2
+and 4). Without a parser the gateway refuses "auto", as vLLM does: nothing could tell a call
+from an answer.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +32,6 @@ from gateway.schemas import APIError, ChatRequest
 from shoal.structured_output import InvalidStructuredOutput, StructuredOutput
 
 ANY_OBJECT = {"type": "object"}  # a function declared without parameters takes any object
-TOOL_CALL_PARSERS = ("hermes",)
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 # Each block's body: up to its closing tag, or to the end of a reply cut short.
 _BLOCK = re.compile(re.escape(_OPEN) + r"(.*?)(?:" + re.escape(_CLOSE) + r"|\Z)", re.S)
@@ -66,6 +71,96 @@ def _held_back(text: str) -> int:
         if _OPEN.startswith(text[-n:]):
             return n
     return 0
+
+
+def _hermes_content_end(text: str) -> int:
+    start = text.find(_OPEN)
+    return start if start >= 0 else len(text) - _held_back(text)
+
+
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def parse_llama3_json(text: str) -> tuple[list[tuple[str, str]] | None, str | None]:
+    """A reply in Llama 3.1's JSON tool-call format, as `parse_hermes` returns it: the whole
+    reply (after an optional `<|python_tag|>`) is one or more `{"name": ..., "parameters":
+    {...}}` objects (or `"arguments"`), separated by `;`. Anything else is all content."""
+    body = text.strip().removeprefix(_PYTHON_TAG).lstrip()
+    if not body.startswith("{"):
+        return None, text
+    calls, at, decoder = [], 0, json.JSONDecoder()
+    while at < len(body):
+        try:
+            call, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return None, text
+        args = call.get("parameters", call.get("arguments", {})) if isinstance(call, dict) \
+            else None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) \
+                or not isinstance(args, dict | str):
+            return None, text
+        calls.append((call["name"], args if isinstance(args, str)
+                       else json.dumps(args, ensure_ascii=False)))
+        while at < len(body) and body[at] in "; \t\r\n":
+            at += 1
+    return calls, None
+
+
+def _llama3_json_content_end(text: str) -> int:
+    body = text.lstrip()
+    if not body or body.startswith("{") or body.startswith(_PYTHON_TAG) \
+            or _PYTHON_TAG.startswith(body):
+        return 0  # a call, or what may still become one: held to the end
+    return len(text)
+
+
+def parse_pythonic(text: str) -> tuple[list[tuple[str, str]] | None, str | None]:
+    """A reply in the pythonic tool-call format (Llama 3.2 and 4), as `parse_hermes` returns
+    it: the whole reply is a Python list of calls whose arguments are keywords with literal
+    values, `[get_weather(city="Paris", days=2), get_time()]`. Anything else is all content."""
+    body = text.strip()
+    if not (body.startswith("[") and body.endswith("]")):
+        return None, text
+    try:
+        tree = ast.parse(body, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None, text
+        calls = []
+        for node in tree.elts:
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and not node.args and all(k.arg for k in node.keywords)):
+                return None, text
+            args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            calls.append((node.func.id, json.dumps(args, ensure_ascii=False)))
+    except (SyntaxError, ValueError, TypeError, RecursionError):
+        return None, text
+    return calls, None
+
+
+def _pythonic_content_end(text: str) -> int:
+    body = text.lstrip()
+    return 0 if not body or body.startswith("[") else len(text)
+
+
+@dataclass(frozen=True)
+class ToolCallParser:
+    """How replies of one model family hold the calls the model chose to make ("auto").
+
+    Attributes:
+        parse: a finished reply's calls, as (name, arguments as JSON text) pairs in order, and
+            the content before them (None when blank); (None, reply) when it holds no call.
+        content_end: how much of a reply still coming is surely content, in characters: up to
+            where a call begins, less what could still begin one; a stream sends that much.
+    """
+
+    parse: Callable[[str], tuple[list[tuple[str, str]] | None, str | None]]
+    content_end: Callable[[str], int]
+
+
+PARSERS = {"hermes": ToolCallParser(parse_hermes, _hermes_content_end),
+           "llama3_json": ToolCallParser(parse_llama3_json, _llama3_json_content_end),
+           "pythonic": ToolCallParser(parse_pythonic, _pythonic_content_end)}
+TOOL_CALL_PARSERS = tuple(PARSERS)
 
 
 @dataclass
@@ -216,7 +311,8 @@ class ToolCalls:
         if choice == "auto" and parser is None:
             raise APIError('tool_choice "auto" (the default with tools) needs a tool-call '
                            'parser: start the gateway with --enable-auto-tool-choice '
-                           '--tool-call-parser hermes, or use "required" or name a function '
+                           '--tool-call-parser (hermes, llama3_json or pythonic), or use '
+                           '"required" or name a function '
                            '(tool calls are then structured outputs)', param="tool_choice")
         if req.structured_outputs is not None or (req.response_format is not None
                                                   and req.response_format.type != "text"):
@@ -262,7 +358,7 @@ class ToolCalls:
         if self.mode == "named":
             return [self._call(self.call_id(choice), self.name, text)], None
         if self.mode == "auto":
-            calls, content = parse_hermes(text)
+            calls, content = PARSERS[self.parser].parse(text)
             if calls is None:
                 return None, text
             return [self._call(self.call_id(choice, k), name, args)
@@ -343,12 +439,10 @@ class ToolCalls:
                 return {"content": text[sent:]} if len(text) > sent else None
             out: dict[str, Any] = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
             self._called.add(choice)
-            before = text[:text.find(_OPEN)]
-            if len(before) > sent and content is not None:
-                out["content"] = before[sent:]
+            if content is not None and len(content) > sent:  # the text before the calls
+                out["content"] = content[sent:]
             return out
-        start = text.find(_OPEN)
-        cut = start if start >= 0 else len(text) - _held_back(text)
+        cut = PARSERS[self.parser].content_end(text)
         if cut <= sent or not text[:cut].strip():  # blank text before a call is no content
             return None
         self._sent[choice] = cut

@@ -103,7 +103,9 @@ def _add_tool_call_args(p: argparse.ArgumentParser) -> None:
                         "the reply with --tool-call-parser, as vLLM's")
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="hermes: <tool_call>{...}</tool_call> blocks (Hermes, Qwen; a JSON list "
-                        "in a block, SmolLM2's form, too)")
+                        "in a block, SmolLM2's form, too); llama3_json: a reply of JSON calls "
+                        "separated by ';' (Llama 3.1); pythonic: a reply [f(a=1), g()] "
+                        "(Llama 3.2 and 4)")
 
 
 def _tool_call_parser(args: argparse.Namespace) -> str | None:
@@ -173,7 +175,7 @@ POLICIES = ["reserve", "ondemand", "request-level"]  # scheduler/core.py POLICIE
 ATTENTION_BACKENDS = ["auto", "torch", "triton"]  # worker/config.py ATTENTION_BACKENDS
 QUANTIZATIONS = ["none", "int8", "int4", "w8a8"]  # worker/config.py QUANTIZATIONS
 DTYPE_CHOICES = ["auto", "bfloat16", "float32"]  # worker/config.py DTYPE_CHOICES
-TOOL_CALL_PARSERS = ["hermes"]  # gateway/tools.py TOOL_CALL_PARSERS
+TOOL_CALL_PARSERS = ["hermes", "llama3_json", "pythonic"]  # gateway/tools.py's
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -179,6 +179,72 @@ def test_hermes_replies_are_calls_or_content(text, calls, content):
     assert parse_hermes(text) == (calls, content)
 
 
+@pytest.mark.parametrize(("text", "calls"), [
+    ('{"name": "f", "parameters": {"a": 1}}', [("f", '{"a": 1}')]),
+    ('<|python_tag|>{"name": "f", "arguments": {"x": "é"}}; {"name": "g", "parameters": {}}',
+     [("f", '{"x": "é"}'), ("g", "{}")]),
+    ('\n{"name": "f", "parameters": {"s": "a; b"}};{"name": "g", "parameters": {}}\n',
+     [("f", '{"s": "a; b"}'), ("g", "{}")]),
+    ("Paris is sunny.", None),
+    ('{"name": "f", "param', None),  # cut short
+    ('{"parameters": {}}', None),  # no name
+    ('{"name": "f", "parameters": {}} and some words', None),
+])
+def test_llama3_json_replies_are_calls_or_content(text, calls):
+    from gateway.tools import parse_llama3_json
+
+    assert parse_llama3_json(text) == (calls, None if calls else text)
+
+
+@pytest.mark.parametrize(("text", "calls"), [
+    ('[get_weather(city="Paris", days=2)]', [("get_weather", '{"city": "Paris", "days": 2}')]),
+    (" [f(a=[1, 2], b={'k': None}), g()] ", [("f", '{"a": [1, 2], "b": {"k": null}}'),
+                                             ("g", "{}")]),
+    ("Paris is sunny.", None),
+    ("[f(a=1", None),  # cut short
+    ("[f(1)]", None),  # positional arguments
+    ("[f(a=g())]", None),  # not a literal
+    ("[x.f(a=1)]", None),  # not a plain name
+    ("[]", None),
+])
+def test_pythonic_replies_are_calls_or_content(text, calls):
+    from gateway.tools import parse_pythonic
+
+    assert parse_pythonic(text) == (calls, None if calls else text)
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    ("llama3_json", '{"name": "get_time", "parameters": {"timezone": "UTC"}}'),
+    ("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": {"timezone": "UTC"}}'),
+    ("llama3_json", "The time is noon, {roughly}."),
+    ("pythonic", '[get_time(timezone="UTC")]'),
+    ("pythonic", "It is noon [UTC]."),
+    ("pythonic", "[not a call]"),
+])
+def test_each_parser_streams_answers_and_holds_calls(parser, text):
+    """Streamed "auto" with the reply-level parsers: an answer streams as it comes; a reply
+    that begins as a call is held (no content) and its calls come whole at the end, or, when
+    it turns out to be no call, the text does; joined, the same as unstreamed."""
+    from gateway.schemas import ChatRequest
+
+    req = ChatRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS)
+    tools = ToolCalls.of(req, parser)
+    deltas = []
+    for end in range(1, len(text) + 1):  # a piece per character
+        d = tools.delta(0, text[end - 1], text[:end], finished=end == len(text))
+        if d:
+            deltas.append((end, d))
+    calls, content = tools.message(0, text)
+    streamed = [c for _, d in deltas for c in d.get("tool_calls", [])]
+    assert "".join(d.get("content", "") for _, d in deltas) == (content or "")
+    assert [c["function"] for c in streamed] == [c["function"] for c in calls or []]
+    if calls:
+        assert [end for end, _ in deltas] == [len(text)]  # nothing before the end
+        assert calls[0]["function"] == {"name": "get_time", "arguments": '{"timezone": "UTC"}'}
+    elif not text.startswith("["):
+        assert deltas[0][0] < len(text)  # an answer streams before it ends
+
+
 def test_auto_streams_the_answer_and_sends_the_calls_whole():
     """Streamed "auto": content as it comes until a `<tool_call>` begins (a piece that could
     begin one is held back), the calls whole at the end; joined, the same as unstreamed."""
@@ -415,6 +481,39 @@ def test_auto_reads_the_calls_the_model_chose_to_make(fleet, auto_gateway):
         final = stream.get_final_message()
     assert whole.type == "text" and len(deltas) > 1 and "".join(deltas) == whole.text
     assert [(b.type, b.text) for b in final.content] == [("text", whole.text)]
+
+
+def test_the_pythonic_parser_reads_the_calls_the_model_chose_to_make(fleet):
+    """A gateway with `--tool-call-parser pythonic`: taught the form by two examples, the real
+    model answers a weather question with `[get_weather(city="Paris")]`, which comes back as a
+    call, streamed or not; a question no tool serves gets its answer as content."""
+    from openai import OpenAI
+
+    few = [{"role": "system", "content": "You call functions. To call one, reply with a Python "
+                                         "list of calls: [name(arg=value)]."}]
+    for city in ("Rome", "Berlin"):
+        few += [{"role": "user", "content": f"What is the weather like in {city}?"},
+                {"role": "assistant", "content": f'[get_weather(city="{city}")]'}]
+    asked = [*few, {"role": "user", "content": "What is the weather like in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    with extra_gateway(fleet, "--enable-auto-tool-choice", "--tool-call-parser",
+                       "pythonic") as url:
+        client = OpenAI(base_url=url + "/v1", api_key="none")
+        ask = dict(model="SmolLM2-135M-Instruct", tools=tools, max_tokens=30, temperature=0)
+        choice = client.chat.completions.create(messages=asked, **ask).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+        chunks = [c for c in client.chat.completions.create(messages=asked, stream=True, **ask)
+                  if c.choices]
+        (streamed,) = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+        assert streamed.function.arguments == call.function.arguments
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        answer = client.chat.completions.create(
+            messages=[{"role": "user", "content": "Name three colors."}], **ask).choices[0]
+        assert answer.message.tool_calls is None and answer.message.content
 
 
 def test_the_cli_lists_the_parsers_the_gateway_has():
