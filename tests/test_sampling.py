@@ -295,3 +295,27 @@ def test_penalized_greedy_rows_pick_from_penalized_logits_and_report_raw_logprob
 def test_invalid_sampling_params_are_named(kw):
     with pytest.raises(InvalidSamplingParams, match=next(iter(kw)).split("_")[0]):
         SamplingParams(**kw)
+
+
+def test_bad_word_bans_equal_a_brute_force_check():
+    """The engine's bans for bad words (words indexed by the token before their last) against
+    their definition, on random words and outputs over a small vocabulary: a one-token word
+    always; a longer one where the output ends with all but its last token (a prefix reaching
+    into the prompt does not count, as in vLLM)."""
+    import random
+
+    from worker.engine import _bad_word_ends, _bad_word_index
+
+    rng = random.Random(0)
+    hits = 0
+    for _ in range(3000):
+        words = [tuple(rng.randrange(5) for _ in range(rng.randint(1, 4)))
+                 for _ in range(rng.randint(1, 5))]
+        prompt = [rng.randrange(5) for _ in range(rng.randint(1, 6))]
+        output = [rng.randrange(5) for _ in range(rng.randint(0, 6))]
+        want = sorted(w[-1] for w in words if len(w) == 1 or (
+            len(w) - 1 <= len(output) and output[len(output) - len(w) + 1:] == list(w[:-1])))
+        got = sorted(_bad_word_ends(_bad_word_index(tuple(words)), prompt + output, len(output)))
+        assert got == want, (words, prompt, output)
+        hits += any(len(w) > 1 for w in words) and bool(want)
+    assert hits > 300  # longer words matched, not only one-token ones

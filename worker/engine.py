@@ -70,6 +70,9 @@ class Sequence:
             forward pass after its last token; empty between iterations).
         matcher: with a `structured_output`, its llguidance matcher after the tokens generated
             so far (worker.structured_output); else None.
+        bad_words: its `bad_words_token_ids` by the token before their last (None for words of
+            one token), so that a step looks only at the words the last token may be part of
+            (`_bad_word_ends`); None without bad words.
     """
 
     request_id: str
@@ -86,6 +89,7 @@ class Sequence:
     num_cached_tokens: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
     matcher: Any = None
+    bad_words: dict[int | None, list[tuple[int, ...]]] | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -262,6 +266,8 @@ class Engine:
         seq = Sequence(req.request_id, tokens, len(req.prompt_token_ids), req.params, gen,
                        caches_prefix=(self.cfg.enable_prefix_caching and not overflow
                                       and p.prompt_logprobs is None))
+        if p.bad_words_token_ids:
+            seq.bad_words = _bad_word_index(p.bad_words_token_ids)
         while overflow and seq.context_len >= self.max_model_len:  # a migrated long request
             seq.num_discarded += self.n_discard(p)
         if p.structured_output is not None:
@@ -658,8 +664,8 @@ class Engine:
         complete may end before `min_tokens`. Nothing is banned where `allowed_token_ids` hold
         nothing else: the request could not go on."""
         p = s.params
-        banned = _bad_word_ends(p.bad_words_token_ids, s.token_ids,
-                                s.num_output_tokens) if p.bad_words_token_ids else []
+        banned = _bad_word_ends(s.bad_words, s.token_ids, s.num_output_tokens) \
+            if s.bad_words else []
         if s.num_output_tokens < p.min_tokens and not (s.matcher is not None
                                                        and s.matcher.is_accepting()):
             eos = self.model_cfg.eos_token_id
@@ -699,13 +705,24 @@ class Engine:
         return None
 
 
-def _bad_word_ends(words: tuple[tuple[int, ...], ...], token_ids: list[int],
+def _bad_word_index(words: tuple[tuple[int, ...], ...]) -> dict[int | None, list[tuple[int, ...]]]:
+    """`words` (token id sequences) by the token before their last, None for one-token words."""
+    index: dict[int | None, list[tuple[int, ...]]] = {}
+    for word in words:
+        index.setdefault(word[-2] if len(word) > 1 else None, []).append(word)
+    return index
+
+
+def _bad_word_ends(words: dict[int | None, list[tuple[int, ...]]], token_ids: list[int],
                    num_output_tokens: int) -> list[int]:
-    """The last token of each of `words` (token id sequences) whose other tokens are the last
+    """The last token of each bad word (`Sequence.bad_words`) whose other tokens are the last
     of the output, the final `num_output_tokens` of `token_ids`: sampling it would complete the
     word. A one-token word is always banned."""
-    return [w[-1] for w in words if len(w) - 1 <= num_output_tokens
-            and (len(w) == 1 or token_ids[len(token_ids) - len(w) + 1:] == list(w[:-1]))]
+    banned = [w[-1] for w in words.get(None, ())]
+    if num_output_tokens:
+        banned += [w[-1] for w in words.get(token_ids[-1], ()) if len(w) - 1 <= num_output_tokens
+                   and token_ids[len(token_ids) - len(w) + 1:] == list(w[:-1])]
+    return banned
 
 
 def _common_prefix(a: list[bytes], b: list[bytes]) -> int:
