@@ -260,6 +260,23 @@ def test_repetition_penalty_matches_transformers():
         torch.testing.assert_close(ours, theirs)
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_a_repetition_penalty_near_zero_samples_a_seen_token(kernels):
+    """repetition_penalty 1e-40 (any positive one is taken) favors the tokens seen above all:
+    their positive logits, divided by it, pass float32's range and are capped, so a sampled row
+    still draws one of them, never an arbitrary token from a NaN distribution."""
+    logits = torch.randn(3, 64)
+    logits[:, 10:13] = torch.tensor([0.5, 1.0, 2.0])  # the seen tokens' logits: positive
+    hist = [([10, 11, 12, 11], 2)] * 3
+    params = [SamplingParams(repetition_penalty=1e-40, temperature=t, seed=s, top_p=p)
+              for t, s, p in ((1.0, 1, 1.0), (0.05, 2, 1.0), (0.7, 3, 0.9))]
+    adjusted = adjust_logits(logits, params, hist)
+    assert torch.isfinite(adjusted).all()
+    gens = [torch.Generator().manual_seed(p.seed) for p in params]
+    tokens, _, _ = Sampler(kernels)(logits, params, gens, None, hist)
+    assert all(t in (10, 11, 12) for t in tokens), tokens
+
+
 def test_logit_bias_survives_the_wire_and_bans_a_token():
     p = SamplingParams(temperature=0.0, logit_bias=((4, -100.0), (9, 3.0)))
     assert SamplingParams.from_dict(p.to_dict()) == p

@@ -269,6 +269,9 @@ def _apply_min_p(rows: torch.Tensor, params: list[SamplingParams]) -> None:
     rows[idx] = sub
 
 
+MAX_ADJUSTED_LOGIT = 1e30  # divided by any temperature the API takes, still finite in float32
+
+
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
                   histories: Sequence[tuple[Sequence[int], int]]) -> torch.Tensor:
     """Each row's logits with its logit bias and its penalties on the tokens it has seen, in
@@ -312,7 +315,9 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
         return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32)[keys // vocab]
 
     x, penalty = flat[seen], per_key("repetition_penalty", seen)
-    flat[seen] = torch.where(x > 0, x / penalty, x * penalty)
+    # A penalty near 0 (the API takes any positive one) divides a logit past float32's range:
+    # capped, it still outweighs every other, and a sampled row's softmax stays a distribution.
+    flat[seen] = torch.where(x > 0, x / penalty, x * penalty).clamp_(max=MAX_ADJUSTED_LOGIT)
     flat[out_keys] -= (per_key("frequency_penalty", out_keys) * counts
                        + per_key("presence_penalty", out_keys))
     return out
