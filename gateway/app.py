@@ -213,8 +213,8 @@ class Gateway(RequestPreparation):
         """`fn(*args)` (a `prepare_*` method, or any that tokenizes), on the gateway's preparing
         thread: a long prompt's chat template and tokenization take milliseconds (20,000 tokens
         33 ms here), a stall of every stream the event loop serves, and the tokenizer's Rust
-        code runs there without the GIL, beside the loop. One thread, so that the tokenizers
-        see one caller at a time.
+        code runs there without the GIL, beside the loop. One thread: requests are prepared
+        one at a time, in the order they came.
 
         Raises:
             what `fn` raises (`APIError` for a request that cannot be served)."""

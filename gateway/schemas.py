@@ -230,8 +230,8 @@ class GenerationRequest(BaseModel):
         "by its text, which may not be valid UTF-8 alone (vLLM's)")
     bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]] | None = (
         Field(default=None, max_length=MAX_BAD_WORDS,
-              description="words the output may not hold, at its start or after a space "
-              "(vLLM's): the token that would complete one is never sampled"))
+              description="words the output may not hold (vLLM's): the token that would complete "
+              "one, as it tokenizes at the text's start or after a space, is never sampled"))
     truncate_prompt_tokens: int | None = Field(
         default=None, ge=1, le=INT32_MAX, description="keep only the prompt's last k tokens")
     prompt_logprobs: int | None = Field(
