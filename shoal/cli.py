@@ -540,8 +540,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError(str(e)) from e
     if not args.prompt:
         raise CLIError("the prompt is empty")
+    path = resolve_model_path(args.model)  # before torch is imported: a wrong path fails fast
     cfg = _engine_config(args)
-    path = resolve_model_path(args.model)
     _set_threads(args)
     from worker.offline import stream
 
@@ -596,8 +596,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from shoal.process import keep_freed_memory
 
     temperature, top_p = _bench_sampling(args)
+    path = resolve_model_path(args.model)  # before torch is imported: a wrong path fails fast
     cfg = _engine_config(args)
-    path = resolve_model_path(args.model)
     _set_threads(args)
     keep_freed_memory()  # as a worker runs (see _cmd_worker)
     import time
@@ -619,8 +619,8 @@ def _cmd_bench_fleet(args: argparse.Namespace) -> int:
     from shoal.model_files import resolve_model_path
     from shoal.process import keep_freed_memory
 
+    path = resolve_model_path(args.model)  # before torch is imported: a wrong path fails fast
     cfg = _engine_config(args)
-    path = resolve_model_path(args.model)
     _set_threads(args)
     keep_freed_memory()  # as a worker runs (see _cmd_worker)
     from worker.bench_fleet import run_fleet_bench
@@ -644,8 +644,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from shoal.model_files import resolve_model_path
     from shoal.process import keep_freed_memory
 
+    path = resolve_model_path(args.model)  # before torch is imported: a wrong path fails fast
     cfg = _engine_config(args)
-    path = resolve_model_path(args.model)
     _set_threads(args)
     _setup_logging()
     keep_freed_memory()

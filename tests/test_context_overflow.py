@@ -129,7 +129,7 @@ LOGITS_REL_MAX, TV_MEDIAN_MAX, ARGMAX_AGREEMENT_MIN, PERPLEXITY_GAP_MAX = 2.5, 0
 
 
 def test_shift_and_reevaluate_agree_and_sinks_beat_a_sliding_window(fp32_model, text_ids):
-    n, window = 1200, 256
+    n, window = 800, 256
     engine = make_engine(fp32_model, max_model_len=window, block_size=16)
     rel, tv, agree = [], [], 0
     nll = {"shift": 0.0, "reevaluate": 0.0, "window": 0.0}

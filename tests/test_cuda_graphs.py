@@ -38,8 +38,8 @@ def _requests(vocab: int, g: torch.Generator) -> list[NewRequest]:
     """Seven greedy requests of different prompt lengths (1-40 tokens) and output lengths, so
     decode batches shrink from 7 through every size to 1 and cross block boundaries (16)."""
     out = []
-    for i, (prompt, new) in enumerate([(3, 2), (40, 30), (17, 9), (1, 20), (16, 5), (25, 12),
-                                       (8, 26)]):
+    for i, (prompt, new) in enumerate([(3, 2), (40, 18), (17, 9), (1, 17), (16, 5), (25, 12),
+                                       (8, 16)]):
         ids = torch.randint(2, vocab, (prompt,), generator=g).tolist()
         params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
         out.append(NewRequest(f"r{i}", ids, params))
@@ -67,9 +67,9 @@ def test_padded_decode_gives_the_eager_tokens():
     assert engine.decode_graphs is not None and engine.decode_graphs.sizes == [1, 2, 4, 8]
     graphs = _run(engine, requests)
     assert graphs == eager
-    assert sum(len(t) for t in eager.values()) == 104
+    assert sum(len(t) for t in eager.values()) == 79
     # Every iteration after the first few prefills is decode-only: most went through the graphs.
-    assert engine.decode_graphs.replays >= 20
+    assert engine.decode_graphs.replays >= 12
 
 
 def test_no_graphs_on_the_cpu_or_when_eager():

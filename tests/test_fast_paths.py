@@ -281,17 +281,24 @@ def test_bfloat16_fast_paths_are_as_close_to_float32_as_the_torch_path(fp32_mode
     assert agree[True] >= agree[False] - 0.02, agree
 
 
-def _perplexities(model, tokenizer, quantization: str) -> tuple[float, float]:
+def _perplexities(model, tokenizer, quantization: str,
+                  dtype: torch.dtype = torch.bfloat16) -> tuple[float, float]:
     """Perplexity of GPL-3 one token per iteration (320 tokens: the weight-only path) and as one
     prompt (512 tokens: w8a8's int8 activations)."""
     ids = tokenizer.encode(reference_text(), add_special_tokens=False)[:512]
-    engine = make_engine(model, dtype=torch.bfloat16, quantization=quantization)
+    engine = make_engine(model, dtype=dtype, quantization=quantization)
     return decode_perplexity(engine, ids[:320]), prefill_perplexity(engine, ids)
 
 
 @pytest.fixture(scope="module")
 def bf16_perplexities(bf16_model, tokenizer):
     return _perplexities(bf16_model, tokenizer, "none")
+
+
+@pytest.fixture(scope="module")
+def fp32_perplexities(fp32_model, tokenizer):
+    """The float32 reference of both quantizations' float32 test, computed once."""
+    return _perplexities(fp32_model, tokenizer, "none", torch.float32)
 
 
 @pytest.mark.skipif(not REFERENCE_TEXT.exists(), reason=f"{REFERENCE_TEXT} is not on this machine")
@@ -317,9 +324,8 @@ def test_quantization_is_deterministic_and_within_its_perplexity_bound(bf16_mode
 @pytest.mark.skipif(not ops.lanes_linear_available(), reason="the kernels were built without AVX-512 or AVX2")
 @pytest.mark.skipif(not REFERENCE_TEXT.exists(), reason=f"{REFERENCE_TEXT} is not on this machine")
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_float32_quantization_is_deterministic_and_within_its_perplexity_bound(fp32_model,
-                                                                               tokenizer,
-                                                                               quantization):
+def test_float32_quantization_is_deterministic_and_within_its_perplexity_bound(
+        fp32_model, tokenizer, fp32_perplexities, quantization):
     """Where the engine serves float32 (`--dtype auto` on CPUs without bfloat16 instructions),
     few-row iterations take the lanes kernels: one token per iteration is their path; a
     512-token prompt is the path of large iterations (on AVX2-only and AVX-512 VNNI CPUs,
@@ -329,8 +335,7 @@ def test_float32_quantization_is_deterministic_and_within_its_perplexity_bound(f
     engine = make_engine(fp32_model, quantization=quantization)
     assert all(layer.gate_up.lanes is not None for layer in engine.model.layers)
     ids = tokenizer.encode(reference_text(), add_special_tokens=False)[:512]
-    plain = make_engine(fp32_model)
-    reference = decode_perplexity(plain, ids[:320]), prefill_perplexity(plain, ids)
+    reference = fp32_perplexities
     quantized = decode_perplexity(engine, ids[:320]), prefill_perplexity(engine, ids)
     print(f"perplexity on {REFERENCE_TEXT}, one token per iteration / one prompt: float32 "
           f"{reference[0]:.3f} / {reference[1]:.3f}, {quantization} {quantized[0]:.3f} / "

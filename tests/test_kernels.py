@@ -251,7 +251,7 @@ def test_engine_with_triton_backend_gives_the_torch_tokens(fp32_model, tokenizer
     a Triton kernel: the same greedy tokens as the torch backend (both on the GPU where there
     is one: the torch backend's chunked prefill over a cached prefix once built its mask on the
     CPU there)."""
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):",
                "Once upon a time, in a small village by the sea, there lived"]
     requests = [NewRequest(f"r{i}", tokenizer.encode(p, add_special_tokens=False), params)
@@ -263,5 +263,5 @@ def test_engine_with_triton_backend_gives_the_torch_tokens(fp32_model, tokenizer
                              max_num_batched_tokens=8, device=str(DEVICE))
         assert engine.model.attention.name == backend
         tokens[backend] = {r: c.token_ids for r, c in generate(engine, requests).items()}
-    assert all(len(t) == 6 for t in tokens["triton"].values())
+    assert all(len(t) == 4 for t in tokens["triton"].values())
     assert tokens["triton"] == tokens["torch"]
