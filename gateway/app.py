@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal
@@ -44,7 +44,7 @@ from gateway.jobs import Jobs, jobs_router
 from gateway.models import ModelCatalog, ServedModel
 from gateway.pages import pages_router
 from gateway.prepare import Prepared, RequestPreparation
-from gateway.responses import ResponseShape, ResponsesRequest, ResponseStore
+from gateway.responses import TERMINAL, ResponseShape, ResponsesRequest, ResponseStore
 from gateway.responses import refusals as responses_refusals
 from gateway.schemas import (
     GENERATION_RESPONSES,
@@ -78,6 +78,8 @@ from shoal.messages import (
 from shoal.process import freeze_heap
 
 log = logging.getLogger("shoal.gateway")
+# How long a stopping gateway waits for its background responses to be stored as failed, seconds.
+STOP_RESPONSES_TIMEOUT_S = 5.0
 
 # Each request's commands take a connection of the pool, which grows to the requests in flight:
 # a burst of 64 opened 64. Recent redis-py (8.1 here) looks its own version up in the package
@@ -178,6 +180,7 @@ class Gateway(RequestPreparation):
         self.redis: aioredis.Redis | None = None
         self._listener: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        self._responding: set[asyncio.Task] = set()  # background responses being run
         self.max_overflow_windows = 8  # GatewaySettings.max_overflow_windows, set by create_app
         self.tool_call_parser: str | None = None  # GatewaySettings.tool_call_parser, likewise
         self.tracer = None  # spans of requests (shoal/tracing.py), set by create_app
@@ -203,6 +206,13 @@ class Gateway(RequestPreparation):
         return pubsub
 
     async def stop(self) -> None:
+        # Background responses end first, each stored as failed, while Redis is still there.
+        for task in self._responding:
+            task.cancel()
+        if self._responding:
+            await asyncio.wait(self._responding, timeout=STOP_RESPONSES_TIMEOUT_S)
+        if self._background:  # their requests' cancels, on their way to the scheduler
+            await asyncio.wait(self._background, timeout=STOP_RESPONSES_TIMEOUT_S)
         if self._listener:
             self._listener.cancel()
         if self.redis:
@@ -327,7 +337,7 @@ class Gateway(RequestPreparation):
                     piece, hit = stops.feed(detok.flush())
                     out += piece
                 if hit:
-                    self._cancel_soon(p.request_id)
+                    self.cancel_soon(p.request_id)
                     finished = replace(ev, finish_reason="stop", error=None, error_status=None,
                                        completion_tokens=next_index)
                     yield out, finished
@@ -344,7 +354,7 @@ class Gateway(RequestPreparation):
             if finished is not None:
                 e2e.observe(e2e_s)
             else:
-                self._cancel_soon(p.request_id)
+                self.cancel_soon(p.request_id)
             if span is not None:
                 tracing.end_request_span(
                     span, finished and finished.finish_reason,
@@ -361,7 +371,14 @@ class Gateway(RequestPreparation):
         pipe.ltrim(self.keys.wakeups, 0, 0)
         return pipe
 
-    def _cancel_soon(self, request_id: str) -> None:
+    def respond_in_background(self, run: Coroutine[Any, Any, None]) -> None:
+        """Run a background response (`run`) on a task the gateway keeps until it ends, and
+        cancels when the gateway stops."""
+        task = asyncio.get_running_loop().create_task(run)
+        self._responding.add(task)
+        task.add_done_callback(self._responding.discard)
+
+    def cancel_soon(self, request_id: str) -> None:
         """Tell the scheduler to drop a request, from a task of its own: when a client disconnects,
         the streaming response's cancel scope cancels every await of the request's own task,
         the one in its `finally` included, so the cancel must not be awaited there."""
@@ -1172,6 +1189,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
     @app.post("/v1/responses", responses=RESPONSES_RESPONSES)
     async def responses(req: ResponsesRequest, request: Request):
         """OpenAI's Responses API, served as a chat request (gateway/responses.py)."""
+        req.check_background()
         history = await store.history(req.previous_response_id) \
             if req.previous_response_id else []
         with responses_refusals():
@@ -1186,15 +1204,73 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         if req.stream:
             return TypedEventStream(shape.events(gw.run(p), lambda last: _usage([p], last),
                                                  lambda response: keep(response, quiet=True)))
+        if req.background:
+            queued = shape.body("", None, None, queued=True)
+            await store.save(queued, items, runner={"channel": gw.channel,
+                                                    "request_id": p.request_id})
+            gw.respond_in_background(run_in_background(p, shape))
+            return queued
         done = (await _collect([p]))[0]
         response = shape.body(done.text, done.last, _usage([p], done.last))
         await keep(response)
         return response
 
+    async def run_in_background(p: Prepared, shape: ResponseShape) -> None:
+        """A background response's request run to its end, the response stored in progress at
+        its first token and finished at its end (`ResponseStore.settle`: never over a cancel,
+        though a cancelled run's own object, with its output so far, replaces the bare one
+        the cancel stored). The gateway stopping stores it failed."""
+        text, last = "", None
+        try:
+            async with contextlib.aclosing(gw.run(p)) as events:
+                async for piece, ev in events:
+                    if last is None:
+                        await store.settle(shape.body("", None, None),
+                                           unless=(*TERMINAL, "in_progress"))
+                    text, last = text + piece, ev
+            final = shape.body(text, last, _usage([p], last))
+        except asyncio.CancelledError:
+            with contextlib.suppress(redis.RedisError):
+                await store.settle(shape.failed("the gateway stopped before the response "
+                                                "finished"))
+            raise
+        except redis.RedisError as e:
+            log.warning("background response %s lost Redis: %s", shape.id, e)
+            final = shape.failed(f"the gateway lost Redis while running the response: {e}")
+        unless = tuple(s for s in TERMINAL if s != "cancelled") \
+            if final["status"] == "cancelled" else TERMINAL
+        try:
+            await store.settle(final, unless)
+        except redis.RedisError:
+            log.warning("background response %s not stored: Redis failed", shape.id,
+                        exc_info=True)
+
     @app.get("/v1/responses/{response_id}", responses=error_responses(401, 404))
     async def get_response(response_id: str):
-        """A stored response."""
-        return (await store.load(response_id))["response"]
+        """A stored response (a background one as it stands)."""
+        return await store.current(response_id, gw.cancel_soon)
+
+    @app.post("/v1/responses/{response_id}/cancel", responses=error_responses(400, 401, 404))
+    async def cancel_response(response_id: str):
+        """Cancel a background response that is queued or in progress: it is stored cancelled
+        and its request is cancelled in the fleet, whichever gateway runs it. Cancelling a
+        cancelled response returns it again; any other finished one is a 400."""
+        record = await store.load(response_id)
+        if "runner" not in record:
+            raise APIError("only background responses can be cancelled", param="response_id")
+        response = await store.current(response_id, gw.cancel_soon)
+        if response["status"] not in TERMINAL:
+            settled = await store.settle({**response, "status": "cancelled"})
+            if settled is None:  # deleted meanwhile
+                raise APIError(f"no response {response_id!r} is stored", status=404,
+                               param="response_id")
+            if settled["status"] == "cancelled":
+                gw.cancel_soon(record["runner"]["request_id"])
+            response = settled
+        if response["status"] != "cancelled":
+            raise APIError(f"the response is {response['status']}: only a queued or "
+                           "in-progress response can be cancelled", param="response_id")
+        return response
 
     @app.delete("/v1/responses/{response_id}", responses=error_responses(401, 404))
     async def delete_response(response_id: str):

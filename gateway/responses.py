@@ -12,7 +12,16 @@ A response with `store` (the default) is kept in Redis with the input items it a
 (`ResponseStore`, for the gateway's `--responses-ttl` seconds), so every gateway of the fleet can
 return it (`GET /v1/responses/{id}`, its `input_items`), delete it, and continue its
 conversation: a request's `previous_response_id` puts that response's input and output before
-its own input (not its instructions, as OpenAI's API does). `background` is refused.
+its own input (not its instructions, as OpenAI's API does).
+
+A `background` response is stored at once, `queued`, and that is the reply; the gateway that took
+it runs it on a task of its own (`gateway.app`), marks it `in_progress` at its first token and
+stores it finished. Any gateway can return it meanwhile, and `POST /v1/responses/{id}/cancel`
+on any gateway marks it `cancelled` and cancels its request in the fleet. Every change of
+status is a compare-and-set (`ResponseStore.settle`): a finish never overwrites a cancel. A
+background response whose gateway is gone (no subscriber on that gateway's token channel) is
+reported `failed` the next time it is read, and its request is cancelled. Background responses
+are not streamed.
 """
 
 from __future__ import annotations
@@ -44,7 +53,6 @@ from gateway.schemas import (
     Tool,
     ToolCall,
     refusals_named,
-    unsupported,
 )
 from gateway.tools import CallArrayReader, ToolCalls
 from shoal.keys import Keys
@@ -198,7 +206,21 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = Field(
         default=None, description="a stored response whose input and output come before this "
         "input (its instructions do not)")
-    background: Annotated[bool | None, unsupported((None, False), "background")] = None
+    background: bool = Field(default=False, description="reply at once with the response, "
+                             "queued, and run it: poll GET /v1/responses/{id}, cancel with POST "
+                             "/v1/responses/{id}/cancel (needs store; not streamed)")
+
+    def check_background(self) -> None:
+        """Raises APIError (400) for a background request that cannot be one: not stored (it
+        could never be read), or streamed (not served)."""
+        if not self.background:
+            return
+        if not self.store:
+            raise APIError("a background response must be stored (store: true): it is read "
+                           "with GET /v1/responses/{id}", param="background")
+        if self.stream:
+            raise APIError("background responses are not streamed: poll GET "
+                           "/v1/responses/{id}", param="stream")
 
     def items(self) -> list[InputMessage | FunctionCallItem | FunctionCallOutputItem]:
         """This request's input as items (text is one user message)."""
@@ -273,6 +295,11 @@ class ResponseShape:
         self._call_items: dict[int, str] = {}  # call index -> its item's id
         self.created_at = int(time.time())
 
+    def failed(self, message: str) -> dict[str, Any]:
+        """The response object of a reply that failed for the gateway's sake (`message`)."""
+        return {**self.body("", None, None), "status": "failed",
+                "error": {"code": "server_error", "message": message}}
+
     def call_item_id(self, k: int) -> str:
         """The id of the item of call `k` (the same in the stream and the final response)."""
         return self._call_items.setdefault(k, f"fc_{uuid.uuid4().hex}")
@@ -284,14 +311,17 @@ class ResponseShape:
                 "call_id": self.tools.call_id(0, k), "name": name, "arguments": arguments,
                 "status": status}
 
-    def body(self, text: str, last: TokenEvent | None, usage: dict[str, Any] | None
-             ) -> dict[str, Any]:
-        """The response object: in progress (no `last` event yet), completed, incomplete (cut
-        at `max_output_tokens` or the context window) or failed (an error event); `usage` as
-        `gateway.app._usage` counts it."""
-        status, incomplete, error = "in_progress", None, None
+    def body(self, text: str, last: TokenEvent | None, usage: dict[str, Any] | None,
+             queued: bool = False) -> dict[str, Any]:
+        """The response object: queued (`queued`: a background response not started), in
+        progress (no `last` event yet), completed, incomplete (cut at `max_output_tokens` or
+        the context window), cancelled (a background response's request cancelled: its output
+        so far) or failed (an error event); `usage` as `gateway.app._usage` counts it."""
+        status, incomplete, error = "queued" if queued else "in_progress", None, None
         if last is not None:
-            if last.finish_reason == "error":
+            if last.finish_reason == "cancelled":
+                status = "cancelled"
+            elif last.finish_reason == "error":
                 status, error = "failed", {"code": "server_error" if (last.error_status or 503)
                                            >= 500 else "invalid_request", "message": last.error}
             elif last.finish_reason == "length":
@@ -311,7 +341,7 @@ class ResponseShape:
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
             "text": {"format": (req.text.format if req.text else TextFormat(type="text")).echo()},
             "metadata": req.metadata or {}, "user": req.user, "store": req.store,
-            "previous_response_id": req.previous_response_id,
+            "background": req.background, "previous_response_id": req.previous_response_id,
             "usage": None if usage is None else {
                 "input_tokens": usage["prompt_tokens"],
                 "input_tokens_details": usage["prompt_tokens_details"],
@@ -345,7 +375,7 @@ class ResponseShape:
         """The output's one item: the assistant's message."""
         return {"type": "message", "id": self.item_id, "role": "assistant",
                 "status": "in_progress" if status == "in_progress" else
-                "incomplete" if status == "incomplete" else "completed",
+                "incomplete" if status in ("incomplete", "cancelled") else "completed",
                 "content": [self.part(text)] if status != "in_progress" else []}
 
     @staticmethod
@@ -483,6 +513,8 @@ class ResponseShape:
 
 
 _ITEMS = TypeAdapter(list[InputItem])
+# A response's statuses from which it never changes again.
+TERMINAL = ("completed", "incomplete", "failed", "cancelled")
 
 
 class ResponseStore:
@@ -505,11 +537,12 @@ class ResponseStore:
         assert r is not None, "the gateway has not started"
         return r
 
-    async def save(self, response: dict[str, Any], items: list[Any], quiet: bool = False
-                   ) -> None:
+    async def save(self, response: dict[str, Any], items: list[Any], quiet: bool = False,
+                   runner: dict[str, str] | None = None) -> None:
         """Keep `response` (a response object) and the input `items` it answered, each item
         with an id. `quiet`: a Redis failure is logged, not raised (a stream whose reply is
-        sent already)."""
+        sent already). `runner`, for a background response: the token channel of the gateway
+        that runs it and its request's id in the fleet."""
         data = []
         for item in items:
             d = item.model_dump(exclude_none=True)
@@ -519,8 +552,10 @@ class ResponseStore:
             prefix = {"message": "msg", "function_call": "fc"}.get(d["type"], "fco")
             data.append({"id": f"{prefix}_{uuid.uuid4().hex}", **d})
         try:
-            await self.redis.set(self.keys.response(response["id"]),
-                                 json.dumps({"response": response, "input": data}),
+            record = {"response": response, "input": data}
+            if runner is not None:
+                record["runner"] = runner
+            await self.redis.set(self.keys.response(response["id"]), json.dumps(record),
                                  ex=self.ttl_s)
         except redis.RedisError:
             if not quiet:
@@ -559,6 +594,54 @@ class ResponseStore:
                   {k: item[k] for k in ("type", "call_id", "name", "arguments")}
                   for item in stored["response"]["output"]]
         return _ITEMS.validate_python([*stored["input"], *output])
+
+    async def settle(self, response: dict[str, Any], unless: tuple[str, ...] = TERMINAL
+                     ) -> dict[str, Any] | None:
+        """Replace a stored response's object by `response` (the same id) unless its stored
+        status is one of `unless` (default: any final status), atomically (WATCH): a
+        background response's finish, start, cancel and loss race. Returns the stored object
+        after, or None when none is stored (deleted or expired: not brought back)."""
+        key = self.keys.response(response["id"])
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(key)
+                    raw = await pipe.get(key)
+                    if raw is None:
+                        return None
+                    record = json.loads(raw)
+                    if record["response"]["status"] in unless:
+                        return record["response"]
+                    record["response"] = response
+                    pipe.multi()
+                    pipe.set(key, json.dumps(record), keepttl=True)
+                    await pipe.execute()
+                    return response
+                except redis.WatchError:
+                    continue  # changed meanwhile: read it again
+
+    async def current(self, response_id: str, cancel: Callable[[str], None]) -> dict[str, Any]:
+        """A stored response's object. While it is a background response not finished, the
+        gateway running it must still listen on its token channel: one that is gone is
+        settled as failed, and its request given to `cancel` (a request id).
+
+        Raises:
+            APIError: 404 when none is stored.
+        """
+        record = await self.load(response_id)
+        response, runner = record["response"], record.get("runner")
+        if runner is None or response["status"] in TERMINAL:
+            return response
+        [(_, listeners)] = await self.redis.pubsub_numsub(runner["channel"])
+        if listeners:
+            return response
+        failed = {**response, "status": "failed", "output": [], "error": {
+            "code": "server_error", "message": "the gateway running this background response "
+            "stopped before it finished"}}
+        stored = await self.settle(failed)
+        if stored is failed:
+            cancel(runner["request_id"])
+        return stored or failed
 
     async def delete(self, response_id: str) -> bool:
         return bool(await self.redis.delete(self.keys.response(response_id)))

@@ -115,7 +115,8 @@ def parse_lines(body: str) -> list[dict[str, Any]]:
     "body"}` items in input order.
 
     Raises:
-        JobError: not JSON, no items, a missing or repeated custom_id, an unknown url, `stream`.
+        JobError: not JSON, no items, a missing or repeated custom_id, an unknown url,
+            `stream` or `background`.
     """
     text = body.strip()
     try:
@@ -149,6 +150,8 @@ def parse_lines(body: str) -> list[dict[str, Any]]:
             raise JobError(f"request {n}: body must be a JSON object")
         if req.get("stream"):
             raise JobError(f"request {n}: stream is not supported in a job")
+        if req.get("background"):  # the job would record the queued response as the result
+            raise JobError(f"request {n}: background is not supported in a job")
         out.append({"custom_id": cid, "endpoint": endpoint, "body": req})
     return out
 

@@ -264,7 +264,8 @@ def test_a_function_calls_output_continues_its_stored_response(client, fleet):
     ({"tools": [WEATHER]}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "background"),
+    ({"background": True, "stream": True}, "stream"),
     ({"input": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
      "input"),
@@ -280,3 +281,105 @@ def test_bad_response_requests_get_a_4xx_that_names_the_parameter(fleet, extra, 
     r = httpx.post(fleet["url"] + "/v1/responses", json={"input": "Hi", **extra}, timeout=30)
     assert r.status_code in (400, 404), r.text
     assert r.json()["error"]["param"].startswith(param), r.json()
+
+
+def _until(check, timeout_s: float = 60.0, what: str = "the condition"):
+    """Poll `check()` every 50 ms until it returns something truthy; return that."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"{what} never held"
+        time.sleep(0.05)
+    return value
+
+
+# A greedy reply that runs for thousands of tokens: long enough to be cancelled or lost midway.
+COUNTING = {"input": "Count from 1 to 2000, one number per line.", "max_output_tokens": 3000,
+            "temperature": 0}
+
+
+def test_a_background_response_is_queued_then_read_when_done(client, fleet, oracle, tokenizer):
+    """`background`: the reply is the response, queued; GET reads it as it stands and finally
+    returns what the same request gives in the foreground (the engine's greedy reply)."""
+    import openai
+
+    question = "Name a fruit."
+    queued = client.responses.create(model=MODEL, input=question, max_output_tokens=8,
+                                     temperature=0, background=True)
+    assert queued.status in ("queued", "in_progress") and queued.background is True
+    assert queued.output == [] and queued.usage is None
+    done = _until(lambda: (r := client.responses.retrieve(queued.id)).status not in
+                  ("queued", "in_progress") and r, what="the background response finishing")
+    ids = _chat_ids(tokenizer, [{"role": "user", "content": question}])
+    expected = oracle(ids, 8)
+    assert done.output_text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert done.status == ("incomplete" if len(expected) == 8 else "completed")
+    assert done.usage.input_tokens == len(ids) and done.usage.output_tokens == len(expected)
+    assert done.id == queued.id and done.background is True
+    assert client.responses.input_items.list(done.id).data[0].content[0].text == question
+    # A finished response, a foreground one and an unknown one cannot be cancelled.
+    with pytest.raises(openai.BadRequestError, match="only a queued or in-progress"):
+        client.responses.cancel(done.id)
+    foreground = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="only background responses"):
+        client.responses.cancel(foreground.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_nope")
+
+
+def test_cancelling_a_background_response_stops_its_request(client):
+    """A cancel stores the response cancelled at once and cancels its request in the fleet: the
+    gateway running it then stores the output it had, far short of max_output_tokens, and the
+    response stays cancelled."""
+    queued = client.responses.create(model=MODEL, background=True, **COUNTING)
+    _until(lambda: client.responses.retrieve(queued.id).status == "in_progress",
+           what="the response starting")
+    cancelled = client.responses.cancel(queued.id)
+    assert cancelled.id == queued.id and cancelled.status == "cancelled"
+    assert client.responses.cancel(queued.id).status == "cancelled"  # again: the same
+    # The run ended by the cancel stores its own object, with usage and the text so far.
+    final = _until(lambda: (r := client.responses.retrieve(queued.id)).usage and r,
+                   what="the cancelled run storing its output")
+    assert final.status == "cancelled"
+    assert 0 < final.usage.output_tokens < COUNTING["max_output_tokens"]
+    assert final.output_text.startswith("1")
+
+
+def test_a_background_response_of_a_stopped_or_lost_gateway_fails(fleet, client):
+    """A gateway that stops stores its background responses failed; one killed outright leaves
+    them in progress, and the next read, by any gateway, finds its token channel without a
+    listener, stores the response failed and cancels its request."""
+    import signal
+    import subprocess
+
+    from shoal.fleet import free_port, shoal_command, stop_all, wait_ready
+
+    def scheduler_cancels() -> float:
+        text = httpx.get(fleet["metrics"]["scheduler"], timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("shoal_requests_finished_total")
+                   and 'finish_reason="cancelled"' in line)
+
+    for sig, message in ((signal.SIGTERM, "gateway stopped"), (signal.SIGKILL, "stopped before")):
+        port = free_port()
+        gateway = subprocess.Popen([*shoal_command(), "gateway", "--redis-url", fleet["redis"],
+                                    "--port", str(port)])
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(url, [gateway], timeout_s=120)
+            r = httpx.post(url + "/v1/responses", json={"background": True, **COUNTING},
+                           timeout=30)
+            assert r.status_code == 200, r.text
+            rid = r.json()["id"]
+            _until(lambda: client.responses.retrieve(rid).status == "in_progress",
+                   what="the response starting")
+            before = scheduler_cancels()
+            gateway.send_signal(sig)
+            gateway.wait(timeout=30)
+            failed = _until(lambda: (x := client.responses.retrieve(rid)).status != "in_progress"
+                            and x, what="the response failing")
+            assert failed.status == "failed" and message in failed.error.message, failed
+            _until(lambda: scheduler_cancels() > before, what="its request being cancelled")
+        finally:
+            stop_all([gateway])
