@@ -23,3 +23,7 @@ PREEMPTIONS = Counter("shoal_preemptions_total",
                       "Requests handed back by a worker (out of K/V, or draining) to recompute")
 REQUESTS_FINISHED = Counter("shoal_requests_finished_total", "Requests finished, by reason",
                             ["finish_reason"])
+ORPHANED_REQUESTS = Counter("shoal_requests_orphaned_total",
+                            "Requests cancelled because their gateway was gone (no listener on "
+                            "its token channel for --orphan-timeout seconds); counted in "
+                            "shoal_requests_finished_total as cancelled too")

@@ -11,7 +11,10 @@ has announced them, refresh the worker registry (a worker whose heartbeat key ex
 requests go back to the pool), place waiting requests, keep one plan queued ahead of each busy
 worker so its engine never waits on Redis (made as late as is safe behind a long prefill, so that
 requests arriving meanwhile join it), and turn iteration results into token events published to
-each request's gateway. Between ticks it sleeps in one BLPOP on the results list and the wake-up
+each request's gateway. A gateway that is gone (killed, or its host lost) leaves its requests
+running for nobody: PUBLISH answers how many listened, and once a gateway's token channel has had
+none for `orphan_timeout_s`, the requests it submitted are cancelled (orphans), the waiting ones
+too. Between ticks it sleeps in one BLPOP on the results list and the wake-up
 list the gateways ring after each request and cancel, sent in one pipeline after the tick's
 writes. A request's stream entry is acknowledged (XACK) only when it has finished.
 """
@@ -50,6 +53,9 @@ from shoal.messages import (
 log = logging.getLogger("shoal.scheduler")
 
 PLANS_AHEAD = 2  # plans in flight per worker: the one running and one queued behind it
+# Seconds a gateway's token channel may go without a listener before its requests are cancelled:
+# well past a live gateway's resubscription after a Redis blip (it backs off at most 2 s).
+ORPHAN_TIMEOUT_S = 10.0
 REGISTRY_REFRESH_S = 0.25
 # The longest a tick sleeps waiting for a result or a wake-up: the lease, the registry and queue
 # deadlines are looked at this often. Polling every 20 ms instead (what an earlier loop did while
@@ -117,8 +123,10 @@ class SchedulerServer:
     def __init__(self, redis_url: str, policy: str = "reserve", max_num_seqs: int = 256,
                  prefix: str = "shoal", max_migrations: int = 3, lease_ms: int = 3000,
                  queue_deadline_s: float = 0.0, priority_aging_s: float = 30.0,
-                 tracer: Any = None, stream_interval: int = 1) -> None:
+                 tracer: Any = None, stream_interval: int = 1,
+                 orphan_timeout_s: float = ORPHAN_TIMEOUT_S) -> None:
         self.redis = redis.Redis.from_url(redis_url)
+        self.orphan_timeout_s = orphan_timeout_s
         self.tracer = tracer  # spans of requests whose gateway traces them (shoal/tracing.py)
         self.keys = Keys(prefix)
         self.core = Scheduler(policy, max_num_seqs, max_migrations, queue_deadline_s,
@@ -133,6 +141,10 @@ class SchedulerServer:
         self._last_refresh = 0.0
         self._published_waiting = -1
         self._reply_to: dict[str, str] = {}  # request id -> its gateway channel, while in the pool
+        # The outbox's PUBLISHes (their place in it, the channel), whose replies count listeners,
+        # and each channel found without one, since when (monotonic seconds).
+        self._published: list[tuple[int, str]] = []
+        self._unheard: dict[str, float] = {}
         # Writes whose replies nobody waits for (token events, progress, acknowledgements): they
         # go out with the next tick's reads, in one round trip. Every command wakes Redis, which
         # on a small machine takes a core from the worker mid-iteration.
@@ -186,6 +198,8 @@ class SchedulerServer:
                               c.priority_aging_s, c.stream_interval)
         self.entry_ids.clear()
         self._reply_to.clear()
+        self._published.clear()
+        self._unheard.clear()
         self._published_waiting = -1
         self._outbox.reset()  # a successor republishes from the progress lists
         self._exchange_due = True
@@ -239,6 +253,8 @@ class SchedulerServer:
             self._exchange()
         if time.monotonic() - self._last_refresh > REGISTRY_REFRESH_S:
             self._refresh_workers()
+        if self._unheard:
+            self._cancel_orphans()
         now = time.time()
         self.core.expire(now)
         for s in self.core.place():
@@ -270,7 +286,8 @@ class SchedulerServer:
         pipe = self._outbox
         pipe.blpop([self.keys.results, self.keys.wakeups], timeout=WAIT_S)
         pipe.exists(self.keys.wakeups)
-        *_, item, waking = pipe.execute()
+        *replies, item, waking = pipe.execute()
+        self._count_listeners(replies)
         # Requests and cancels are read only once a wake-up announced them (gateways ring after
         # each), so a decode iteration costs the scheduler one round trip instead of three: each
         # trip wakes Redis and the scheduler, CPU a worker on the same cores loses.
@@ -288,7 +305,8 @@ class SchedulerServer:
         pipe.xreadgroup(self.keys.scheduler_group, self.consumer, {self.keys.requests: ">"},
                         count=256)
         pipe.lpop(self.keys.cancels, 256)
-        *_, requests, cancels = pipe.execute()
+        *replies, requests, cancels = pipe.execute()
+        self._count_listeners(replies)
         for _stream, entries in requests or []:
             for entry_id, fields in entries:
                 self._add_submission(entry_id, fields)
@@ -302,6 +320,40 @@ class SchedulerServer:
                 if s is not None:
                     self._trace_finished(s, "cancelled", s.worker_id, time.time())
                 self._publish([event])
+
+    def _count_listeners(self, replies: list) -> None:
+        """Note, from the outbox's replies, which gateway channels had no listener."""
+        now = time.monotonic()
+        for i, channel in self._published:
+            if replies[i]:
+                self._unheard.pop(channel, None)
+            else:
+                self._unheard.setdefault(channel, now)
+        self._published.clear()
+
+    def _cancel_orphans(self) -> None:
+        """Cancel the requests of each gateway channel without a listener for
+        `orphan_timeout_s`: their gateway is gone, and nothing would read their tokens."""
+        now = time.monotonic()
+        for channel, since in list(self._unheard.items()):
+            if now - since < self.orphan_timeout_s:
+                continue
+            del self._unheard[channel]
+            orphans = [rid for rid, ch in self._reply_to.items() if ch == channel]
+            events = []
+            for rid in orphans:
+                s = self.core.requests.get(rid)
+                event = self.core.cancel(rid)
+                if event is not None:
+                    events.append(event)
+                    if s is not None:
+                        self._trace_finished(s, "cancelled", s.worker_id, time.time())
+            if events:
+                log.warning("%s has had no listener for %.0f s: its gateway is gone; cancelled "
+                            "its %d requests", channel, now - since, len(events))
+                metrics.REQUESTS_FINISHED.labels("cancelled").inc(len(events))
+                metrics.ORPHANED_REQUESTS.inc(len(events))
+                self._publish(events)  # acknowledged and their progress deleted, as any end
 
     def _add_submission(self, entry_id: bytes, fields: dict, restore: bool = False) -> None:
         sub = decode(fields[b"m"])
@@ -477,4 +529,5 @@ class SchedulerServer:
             # EXISTS, a round trip of its own, at every execute.
             pipe.eval(_APPEND_PROGRESS, len(keys), *keys, *args)
         for channel, batch in by_channel.items():
+            self._published.append((len(pipe), channel))
             pipe.publish(channel, encode(TokenEvents(batch)))

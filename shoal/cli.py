@@ -36,6 +36,16 @@ _positive_int = _int_from(1, "a positive integer")
 _non_negative_int = _int_from(0, "an integer >= 0")
 
 
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}")
+    return v
+
+
 def _add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
                    help="split each layer over N ranks (local processes; gloo on the CPU, NCCL "
@@ -250,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--priority-aging-s", type=float, default=30.0,
                    help="seconds of waiting that raise a request one priority level, so batch "
                         "work is never starved (0 = strict priority)")
+    s.add_argument("--orphan-timeout", type=_positive_float, default=10.0,
+                   help="seconds a gateway's token channel may go without a listener before "
+                        "the requests it submitted are cancelled (the gateway is gone)")
     _add_stream_interval_arg(s)
 
     gw = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
@@ -693,7 +706,8 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     serve_metrics(args.metrics_port)
     server = SchedulerServer(args.redis_url, args.policy, args.max_num_seqs, args.prefix,
                              args.max_migrations, args.lease_ms, args.queue_deadline,
-                             args.priority_aging_s, tracer, args.stream_interval)
+                             args.priority_aging_s, tracer, args.stream_interval,
+                             args.orphan_timeout)
     freeze_heap()
     return server.run()
 

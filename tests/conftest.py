@@ -72,11 +72,11 @@ def redis_url():
 
 @contextlib.contextmanager
 def running_fleet(worker_args: tuple[str, ...] = (), scheduler_log=None,
-                  gateway_args: tuple[str, ...] = ()):
+                  gateway_args: tuple[str, ...] = (), scheduler_args: tuple[str, ...] = ()):
     """A real fleet: redis-server, scheduler, one float32 worker "w0" (256 MiB of K/V: 364
     blocks, plus `worker_args`) and the gateway, each a process, with metrics exported. The
     scheduler's log (one JSON line per finished request) goes to the file `scheduler_log` if
-    given; `gateway_args` are added to the gateway's command line."""
+    given; `gateway_args` and `scheduler_args` are added to those parts' command lines."""
     import subprocess
 
     from shoal.fleet import free_ports, shoal_command, start_redis, stop_all, wait_ready, worker_env
@@ -90,7 +90,8 @@ def running_fleet(worker_args: tuple[str, ...] = (), scheduler_log=None,
 
     log = open(scheduler_log, "w") if scheduler_log else None  # closed in `finally` below
     procs = [
-        shoal("scheduler", "--redis-url", url, "--metrics-port", str(sport), stderr=log),
+        shoal("scheduler", "--redis-url", url, "--metrics-port", str(sport), *scheduler_args,
+              stderr=log),
         shoal("worker", "--redis-url", url, "--worker-id", "w0", "--dtype", "float32",
               "--kv-cache-bytes", str(256 << 20), "--threads", "1", "--metrics-port", str(wport),
               *worker_args, env=worker_env(1)),

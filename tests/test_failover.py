@@ -3,9 +3,11 @@ standby running. These tests kill parts of the fleet, so the module runs its own
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
+import threading
 import time
 
 import httpx
@@ -14,11 +16,20 @@ import pytest
 from shoal.fleet import shoal_command
 from tests.conftest import running_fleet, spawn_worker
 
+ORPHAN_TIMEOUT_S = 2.0
+
 
 @pytest.fixture(scope="module")
 def fleet():
-    with running_fleet() as f:
+    with running_fleet(scheduler_args=("--orphan-timeout", str(ORPHAN_TIMEOUT_S))) as f:
         yield f
+
+
+def _metric(url: str, name: str) -> float:
+    """The sum of a metric's series on a /metrics page (0 when it has none)."""
+    text = httpx.get(url, timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
 
 
 def _shoal(*args, **kw):
@@ -155,3 +166,52 @@ def test_shoal_chaos_short_run():
     assert "PASS" in r.stdout
     kills = re.search(r"worker kills\s*│\s*(\d+)", r.stdout)
     assert kills and 1 <= int(kills.group(1)) <= 2, r.stdout
+
+
+def _post_until_gone(url: str, body: dict) -> None:
+    """A client waiting on a completion until its gateway dies."""
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(url + "/v1/completions", json=body, timeout=120)
+
+
+def test_the_requests_of_a_gateway_that_died_are_cancelled(fleet):
+    """A gateway killed mid-stream leaves its requests generating for nobody: once its token
+    channel has had no listener for --orphan-timeout, the scheduler cancels them, acknowledges
+    their stream entries and the worker's blocks come back."""
+    import redis
+
+    from shoal.fleet import free_port, stop_all, wait_ready
+
+    scheduler = fleet["metrics"]["scheduler"]
+    orphaned = _metric(scheduler, "shoal_requests_orphaned_total")
+    total = _metric(scheduler, "shoal_kv_blocks_total")
+    port = free_port()
+    gateway = _shoal("gateway", "--redis-url", fleet["redis"], "--port", str(port))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, [gateway], timeout_s=120)
+        # 2,000 tokens: both fit the K/V reserved for them (the fleet reserves prompt + max_tokens).
+        body = {"prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0,
+                "ignore_eos": True}
+        clients = [threading.Thread(target=_post_until_gone, args=(url, body), daemon=True)
+                   for _ in range(2)]
+        for c in clients:
+            c.start()
+        deadline = time.monotonic() + 60
+        while _metric(scheduler, "shoal_requests_running") < 2:  # both generating
+            assert time.monotonic() < deadline, "the requests never ran"
+            time.sleep(0.1)
+        gateway.kill()
+        gateway.wait(timeout=30)
+        deadline = time.monotonic() + ORPHAN_TIMEOUT_S + 20
+        while _metric(scheduler, "shoal_requests_orphaned_total") < orphaned + 2:
+            assert time.monotonic() < deadline, "the orphans were never cancelled"
+            time.sleep(0.2)
+        while _metric(scheduler, "shoal_kv_blocks_free") < total:
+            assert time.monotonic() < deadline, "their K/V blocks never came back"
+            time.sleep(0.2)
+        assert _metric(scheduler, "shoal_requests_running") == 0
+        r = redis.Redis.from_url(fleet["redis"])
+        assert r.xpending("shoal:requests", "schedulers")["pending"] == 0
+    finally:
+        stop_all([gateway])
