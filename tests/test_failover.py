@@ -96,7 +96,11 @@ def test_standby_scheduler_takes_over_mid_stream(fleet, oracle, tokenizer):
     r = redis.Redis.from_url(fleet["redis"])
     active = fleet["procs"][0]
     assert r.get("shoal:scheduler:lease") is not None
-    standby = _shoal("scheduler", "--redis-url", fleet["redis"])
+    from shoal.fleet import free_port
+
+    port = free_port()
+    standby = _shoal("scheduler", "--redis-url", fleet["redis"], "--metrics-port", str(port),
+                     "--orphan-timeout", str(ORPHAN_TIMEOUT_S))
     fleet["procs"].insert(1, standby)  # the session's teardown stops it; it stays active after
     time.sleep(1.0)
     prompt = "A queue of fishing boats waited at the harbour while"
@@ -116,6 +120,7 @@ def test_standby_scheduler_takes_over_mid_stream(fleet, oracle, tokenizer):
                 active.kill()
                 active.wait()
                 fleet["procs"].remove(active)
+                fleet["metrics"]["scheduler"] = f"http://127.0.0.1:{port}/metrics"  # for later tests
     assert [m["index"] for m in tokens] == list(range(50))
     assert "".join(m["text"] for m in tokens) == expected
     assert m["usage"]["completion_tokens"] == 50
