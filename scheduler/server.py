@@ -313,13 +313,20 @@ class SchedulerServer:
         for raw in cancels or []:
             msg = decode(raw)
             assert isinstance(msg, Cancel)
-            s = self.core.requests.get(msg.request_id)
-            event = self.core.cancel(msg.request_id)
+            event = self._cancel(msg.request_id)
             if event is not None:
-                metrics.REQUESTS_FINISHED.labels("cancelled").inc()
-                if s is not None:
-                    self._trace_finished(s, "cancelled", s.worker_id, time.time())
                 self._publish([event])
+
+    def _cancel(self, request_id: str) -> TokenEvent | None:
+        """Drop a request from the pool, counted and traced; returns its final event to publish
+        (None when it is not in the pool)."""
+        s = self.core.requests.get(request_id)
+        event = self.core.cancel(request_id)
+        if event is not None:
+            metrics.REQUESTS_FINISHED.labels("cancelled").inc()
+            if s is not None:
+                self._trace_finished(s, "cancelled", s.worker_id, time.time())
+        return event
 
     def _count_listeners(self, replies: list) -> None:
         """Note, from the outbox's replies, which gateway channels had no listener."""
@@ -340,18 +347,10 @@ class SchedulerServer:
                 continue
             del self._unheard[channel]
             orphans = [rid for rid, ch in self._reply_to.items() if ch == channel]
-            events = []
-            for rid in orphans:
-                s = self.core.requests.get(rid)
-                event = self.core.cancel(rid)
-                if event is not None:
-                    events.append(event)
-                    if s is not None:
-                        self._trace_finished(s, "cancelled", s.worker_id, time.time())
+            events = [e for e in map(self._cancel, orphans) if e is not None]
             if events:
                 log.warning("%s has had no listener for %.0f s: its gateway is gone; cancelled "
                             "its %d requests", channel, now - since, len(events))
-                metrics.REQUESTS_FINISHED.labels("cancelled").inc(len(events))
                 metrics.ORPHANED_REQUESTS.inc(len(events))
                 self._publish(events)  # acknowledged and their progress deleted, as any end
 

@@ -47,6 +47,17 @@ def hf_model(model_path):
     return m.eval()
 
 
+def metric_sum(url: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples on a /metrics page whose labels include `labels` (0 when
+    there are none)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url, timeout=10).text
+    return sum(s.value for family in text_string_to_metric_families(text)
+               for s in family.samples if s.name == name and labels.items() <= s.labels.items())
+
+
 def finished_requests(log_path) -> dict[str, dict]:
     """The scheduler's log line per finished request (scheduler/server.py `_log_finished`) in a
     log file, by request id."""

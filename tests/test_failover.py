@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from shoal.fleet import shoal_command
-from tests.conftest import running_fleet, spawn_worker
+from tests.conftest import metric_sum, running_fleet, spawn_worker
 
 ORPHAN_TIMEOUT_S = 2.0
 
@@ -23,13 +23,6 @@ ORPHAN_TIMEOUT_S = 2.0
 def fleet():
     with running_fleet(scheduler_args=("--orphan-timeout", str(ORPHAN_TIMEOUT_S))) as f:
         yield f
-
-
-def _metric(url: str, name: str) -> float:
-    """The sum of a metric's series on a /metrics page (0 when it has none)."""
-    text = httpx.get(url, timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
 
 
 def _shoal(*args, **kw):
@@ -188,8 +181,8 @@ def test_the_requests_of_a_gateway_that_died_are_cancelled(fleet):
     from shoal.fleet import free_port, stop_all, wait_ready
 
     scheduler = fleet["metrics"]["scheduler"]
-    orphaned = _metric(scheduler, "shoal_requests_orphaned_total")
-    total = _metric(scheduler, "shoal_kv_blocks_total")
+    orphaned = metric_sum(scheduler, "shoal_requests_orphaned_total")
+    total = metric_sum(scheduler, "shoal_kv_blocks_total")
     port = free_port()
     gateway = _shoal("gateway", "--redis-url", fleet["redis"], "--port", str(port))
     try:
@@ -203,19 +196,19 @@ def test_the_requests_of_a_gateway_that_died_are_cancelled(fleet):
         for c in clients:
             c.start()
         deadline = time.monotonic() + 60
-        while _metric(scheduler, "shoal_requests_running") < 2:  # both generating
+        while metric_sum(scheduler, "shoal_requests_running") < 2:  # both generating
             assert time.monotonic() < deadline, "the requests never ran"
             time.sleep(0.1)
         gateway.kill()
         gateway.wait(timeout=30)
         deadline = time.monotonic() + ORPHAN_TIMEOUT_S + 20
-        while _metric(scheduler, "shoal_requests_orphaned_total") < orphaned + 2:
+        while metric_sum(scheduler, "shoal_requests_orphaned_total") < orphaned + 2:
             assert time.monotonic() < deadline, "the orphans were never cancelled"
             time.sleep(0.2)
-        while _metric(scheduler, "shoal_kv_blocks_free") < total:
+        while metric_sum(scheduler, "shoal_kv_blocks_free") < total:
             assert time.monotonic() < deadline, "their K/V blocks never came back"
             time.sleep(0.2)
-        assert _metric(scheduler, "shoal_requests_running") == 0
+        assert metric_sum(scheduler, "shoal_requests_running") == 0
         r = redis.Redis.from_url(fleet["redis"])
         assert r.xpending("shoal:requests", "schedulers")["pending"] == 0
     finally:

@@ -354,12 +354,11 @@ def test_a_background_response_of_a_stopped_or_lost_gateway_fails(fleet, client)
     import subprocess
 
     from shoal.fleet import free_port, shoal_command, stop_all, wait_ready
+    from tests.conftest import metric_sum
 
     def scheduler_cancels() -> float:
-        text = httpx.get(fleet["metrics"]["scheduler"], timeout=10).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("shoal_requests_finished_total")
-                   and 'finish_reason="cancelled"' in line)
+        return metric_sum(fleet["metrics"]["scheduler"], "shoal_requests_finished_total",
+                          finish_reason="cancelled")
 
     for sig, message in ((signal.SIGTERM, "gateway stopped"), (signal.SIGKILL, "stopped before")):
         port = free_port()
