@@ -1248,7 +1248,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
     @app.get("/v1/responses/{response_id}", responses=error_responses(401, 404))
     async def get_response(response_id: str):
         """A stored response (a background one as it stands)."""
-        return await store.current(response_id, gw.cancel_soon)
+        return await store.current(await store.load(response_id), gw.cancel_soon)
 
     @app.post("/v1/responses/{response_id}/cancel", responses=error_responses(400, 401, 404))
     async def cancel_response(response_id: str):
@@ -1258,7 +1258,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         record = await store.load(response_id)
         if "runner" not in record:
             raise APIError("only background responses can be cancelled", param="response_id")
-        response = await store.current(response_id, gw.cancel_soon)
+        response = await store.current(record, gw.cancel_soon)
         if response["status"] not in TERMINAL:
             settled = await store.settle({**response, "status": "cancelled"})
             if settled is None:  # deleted meanwhile

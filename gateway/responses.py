@@ -297,8 +297,7 @@ class ResponseShape:
 
     def failed(self, message: str) -> dict[str, Any]:
         """The response object of a reply that failed for the gateway's sake (`message`)."""
-        return {**self.body("", None, None), "status": "failed",
-                "error": {"code": "server_error", "message": message}}
+        return _failed(self.body("", None, None), message)
 
     def call_item_id(self, k: int) -> str:
         """The id of the item of call `k` (the same in the stream and the final response)."""
@@ -513,6 +512,13 @@ class ResponseShape:
 
 
 _ITEMS = TypeAdapter(list[InputItem])
+
+
+def _failed(response: dict[str, Any], message: str) -> dict[str, Any]:
+    """`response` (an object) failed for the fleet's sake, with no output."""
+    return {**response, "status": "failed", "output": [],
+            "error": {"code": "server_error", "message": message}}
+
 # A response's statuses from which it never changes again.
 TERMINAL = ("completed", "incomplete", "failed", "cancelled")
 
@@ -620,24 +626,20 @@ class ResponseStore:
                 except redis.WatchError:
                     continue  # changed meanwhile: read it again
 
-    async def current(self, response_id: str, cancel: Callable[[str], None]) -> dict[str, Any]:
-        """A stored response's object. While it is a background response not finished, the
-        gateway running it must still listen on its token channel: one that is gone is
-        settled as failed, and its request given to `cancel` (a request id).
-
-        Raises:
-            APIError: 404 when none is stored.
-        """
-        record = await self.load(response_id)
+    async def current(self, record: dict[str, Any], cancel: Callable[[str], None]
+                      ) -> dict[str, Any]:
+        """The object of a stored response (`record`, as `load` returns it), as it stands.
+        While it is a background response not finished, the gateway running it must still
+        listen on its token channel: one that is gone is settled as failed, and its request
+        given to `cancel` (a request id)."""
         response, runner = record["response"], record.get("runner")
         if runner is None or response["status"] in TERMINAL:
             return response
         [(_, listeners)] = await self.redis.pubsub_numsub(runner["channel"])
         if listeners:
             return response
-        failed = {**response, "status": "failed", "output": [], "error": {
-            "code": "server_error", "message": "the gateway running this background response "
-            "stopped before it finished"}}
+        failed = _failed(response, "the gateway running this background response stopped "
+                         "before it finished")
         stored = await self.settle(failed)
         if stored is failed:
             cancel(runner["request_id"])

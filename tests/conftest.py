@@ -47,6 +47,30 @@ def hf_model(model_path):
     return m.eval()
 
 
+def spawn_gateway(fleet: dict):
+    """Start one more gateway process on `fleet`'s Redis; returns (process, its base URL) once
+    it is ready.
+
+    Raises:
+        RuntimeError: it exited or was not ready within 120 s.
+    """
+    import subprocess
+
+    from shoal.fleet import free_port, shoal_command, wait_ready
+
+    port = free_port()
+    proc = subprocess.Popen([*shoal_command(), "gateway", "--redis-url", fleet["redis"],
+                             "--port", str(port)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, [proc], timeout_s=120)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, url
+
+
 def metric_sum(url: str, name: str, **labels: str) -> float:
     """The sum of a metric's samples on a /metrics page whose labels include `labels` (0 when
     there are none)."""

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from shoal.fleet import shoal_command
-from tests.conftest import metric_sum, running_fleet, spawn_worker
+from tests.conftest import metric_sum, running_fleet, spawn_gateway, spawn_worker
 
 ORPHAN_TIMEOUT_S = 2.0
 
@@ -178,16 +178,13 @@ def test_the_requests_of_a_gateway_that_died_are_cancelled(fleet):
     their stream entries and the worker's blocks come back."""
     import redis
 
-    from shoal.fleet import free_port, stop_all, wait_ready
+    from shoal.fleet import stop_all
 
     scheduler = fleet["metrics"]["scheduler"]
     orphaned = metric_sum(scheduler, "shoal_requests_orphaned_total")
     total = metric_sum(scheduler, "shoal_kv_blocks_total")
-    port = free_port()
-    gateway = _shoal("gateway", "--redis-url", fleet["redis"], "--port", str(port))
+    gateway, url = spawn_gateway(fleet)
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url, [gateway], timeout_s=120)
         # 2,000 tokens: both fit the K/V reserved for them (the fleet reserves prompt + max_tokens).
         body = {"prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0,
                 "ignore_eos": True}

@@ -351,22 +351,17 @@ def test_a_background_response_of_a_stopped_or_lost_gateway_fails(fleet, client)
     them in progress, and the next read, by any gateway, finds its token channel without a
     listener, stores the response failed and cancels its request."""
     import signal
-    import subprocess
 
-    from shoal.fleet import free_port, shoal_command, stop_all, wait_ready
-    from tests.conftest import metric_sum
+    from shoal.fleet import stop_all
+    from tests.conftest import metric_sum, spawn_gateway
 
     def scheduler_cancels() -> float:
         return metric_sum(fleet["metrics"]["scheduler"], "shoal_requests_finished_total",
                           finish_reason="cancelled")
 
     for sig, message in ((signal.SIGTERM, "gateway stopped"), (signal.SIGKILL, "stopped before")):
-        port = free_port()
-        gateway = subprocess.Popen([*shoal_command(), "gateway", "--redis-url", fleet["redis"],
-                                    "--port", str(port)])
+        gateway, url = spawn_gateway(fleet)
         try:
-            url = f"http://127.0.0.1:{port}"
-            wait_ready(url, [gateway], timeout_s=120)
             r = httpx.post(url + "/v1/responses", json={"background": True, **COUNTING},
                            timeout=30)
             assert r.status_code == 200, r.text
