@@ -1201,54 +1201,99 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         async def keep(response: dict[str, Any], quiet: bool = False) -> None:
             if req.store:
                 await store.save(response, items, quiet)
-        if req.stream:
-            return TypedEventStream(shape.events(gw.run(p), lambda last: _usage([p], last),
-                                                 lambda response: keep(response, quiet=True)))
         if req.background:
             queued = shape.body("", None, None, queued=True)
             await store.save(queued, items, runner={"channel": gw.channel,
-                                                    "request_id": p.request_id})
-            gw.respond_in_background(run_in_background(p, shape))
+                                                    "request_id": p.request_id},
+                             logged=req.stream)
+            gw.respond_in_background(run_in_background(p, shape, req.stream))
+            if req.stream:  # from the log, as a client that reconnects reads it
+                return TypedEventStream(store.replay(shape.id, None, gw.cancel_soon))
             return queued
+        if req.stream:
+            return TypedEventStream(shape.events(gw.run(p), lambda last: _usage([p], last),
+                                                 lambda response: keep(response, quiet=True)))
         done = (await _collect([p]))[0]
         response = shape.body(done.text, done.last, _usage([p], done.last))
         await keep(response)
         return response
 
-    async def run_in_background(p: Prepared, shape: ResponseShape) -> None:
+    async def run_in_background(p: Prepared, shape: ResponseShape, streamed: bool) -> None:
         """A background response's request run to its end, the response stored in progress at
         its first token and finished at its end (`ResponseStore.settle`: never over a cancel,
         though a cancelled run's own object, with its output so far, replaces the bare one
-        the cancel stored). The gateway stopping stores it failed."""
-        text, last = "", None
-        try:
-            async with contextlib.aclosing(gw.run(p)) as events:
+        the cancel stored); `streamed`, its events logged as they are made
+        (`ResponseStore.log_events`). The gateway stopping, or Redis failing, stores it failed
+        (and ends its log with `response.failed`)."""
+        logged = -1  # the sequence number of the last event logged
+        ended = False  # the log holds a final event
+
+        async def started(run: AsyncIterator[tuple[str, TokenEvent]]):
+            first = True
+            async with contextlib.aclosing(run) as events:
                 async for piece, ev in events:
-                    if last is None:
+                    if first:
+                        first = False
                         await store.settle(shape.body("", None, None),
                                            unless=(*TERMINAL, "in_progress"))
-                    text, last = text + piece, ev
-            final = shape.body(text, last, _usage([p], last))
+                    yield piece, ev
+
+        async def finish(final: dict[str, Any]) -> None:
+            unless = tuple(s for s in TERMINAL if s != "cancelled") \
+                if final["status"] == "cancelled" else TERMINAL
+            await store.settle(final, unless)
+
+        async def fail(message: str) -> None:
+            stored = await store.settle(shape.failed(message)) or shape.failed(message)
+            if streamed and not ended:
+                await store.log_events(shape.id, [{
+                    "type": f"response.{stored['status']}", "sequence_number": logged + 1,
+                    "response": stored}])
+
+        try:
+            if streamed:
+                groups = shape.events(started(gw.run(p)), lambda last: _usage([p], last), finish,
+                                      queued=True)
+                async with contextlib.aclosing(groups):
+                    async for group, final in groups:
+                        await store.log_events(shape.id, group)
+                        logged, ended = group[-1]["sequence_number"], final
+            else:
+                text, last = "", None
+                async with contextlib.aclosing(started(gw.run(p))) as pieces:
+                    async for piece, ev in pieces:
+                        text, last = text + piece, ev
+                await finish(shape.body(text, last, _usage([p], last)))
         except asyncio.CancelledError:
             with contextlib.suppress(redis.RedisError):
-                await store.settle(shape.failed("the gateway stopped before the response "
-                                                "finished"))
+                await fail("the gateway stopped before the response finished")
             raise
         except redis.RedisError as e:
             log.warning("background response %s lost Redis: %s", shape.id, e)
-            final = shape.failed(f"the gateway lost Redis while running the response: {e}")
-        unless = tuple(s for s in TERMINAL if s != "cancelled") \
-            if final["status"] == "cancelled" else TERMINAL
-        try:
-            await store.settle(final, unless)
-        except redis.RedisError:
-            log.warning("background response %s not stored: Redis failed", shape.id,
-                        exc_info=True)
+            try:
+                await fail(f"the gateway lost Redis while running the response: {e}")
+            except redis.RedisError:
+                log.warning("background response %s not stored: Redis failed", shape.id,
+                            exc_info=True)
 
-    @app.get("/v1/responses/{response_id}", responses=error_responses(401, 404))
-    async def get_response(response_id: str):
-        """A stored response (a background one as it stands)."""
-        return await store.current(await store.load(response_id), gw.cancel_soon)
+    @app.get("/v1/responses/{response_id}", responses={
+        **error_responses(400, 401, 404),
+        200: {"content": {"application/json": {}, "text/event-stream": {}}}})
+    async def get_response(response_id: str, stream: bool = False,
+                           starting_after: Annotated[int | None, Query(ge=0)] = None):
+        """A stored response (a background one as it stands), or with `stream` a streamed
+        background response's events (those after the sequence number `starting_after`), from
+        its first to its last, however far it has come."""
+        record = await store.load(response_id)
+        if not stream:
+            if starting_after is not None:
+                raise APIError("starting_after is a position in the response's stream: "
+                               "ask for stream=true", param="starting_after")
+            return await store.current(record, gw.cancel_soon)
+        if not record.get("logged"):
+            raise APIError("only a background response created with stream: true can be "
+                           "streamed again", param="stream")
+        return TypedEventStream(store.replay(response_id, starting_after, gw.cancel_soon))
 
     @app.post("/v1/responses/{response_id}/cancel", responses=error_responses(400, 401, 404))
     async def cancel_response(response_id: str):

@@ -20,8 +20,12 @@ stores it finished. Any gateway can return it meanwhile, and `POST /v1/responses
 on any gateway marks it `cancelled` and cancels its request in the fleet. Every change of
 status is a compare-and-set (`ResponseStore.settle`): a finish never overwrites a cancel. A
 background response whose gateway is gone (no subscriber on that gateway's token channel) is
-reported `failed` the next time it is read, and its request is cancelled. Background responses
-are not streamed.
+reported `failed` the next time it is read, and its request is cancelled.
+
+A background response may also be streamed (`stream` and `background`): its events are kept in
+Redis as they are made (`ResponseStore.log_events`), and the reply streams them from there, as
+does `GET /v1/responses/{id}?stream=true&starting_after=N` on any gateway, for a client that
+lost its connection (`ResponseStore.replay`): the run goes on without its client.
 """
 
 from __future__ import annotations
@@ -206,21 +210,18 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = Field(
         default=None, description="a stored response whose input and output come before this "
         "input (its instructions do not)")
-    background: bool = Field(default=False, description="reply at once with the response, "
-                             "queued, and run it: poll GET /v1/responses/{id}, cancel with POST "
-                             "/v1/responses/{id}/cancel (needs store; not streamed)")
+    background: bool = Field(default=False, description="run the response whether or not the "
+                             "client stays: the reply is the response, queued (poll GET "
+                             "/v1/responses/{id}), or with stream its events, which GET "
+                             "/v1/responses/{id}?stream=true&starting_after=N streams again; "
+                             "cancel with POST /v1/responses/{id}/cancel (needs store)")
 
     def check_background(self) -> None:
-        """Raises APIError (400) for a background request that cannot be one: not stored (it
-        could never be read), or streamed (not served)."""
-        if not self.background:
-            return
-        if not self.store:
+        """Raises APIError (400) for a background request that is not stored: it could never
+        be read."""
+        if self.background and not self.store:
             raise APIError("a background response must be stored (store: true): it is read "
                            "with GET /v1/responses/{id}", param="background")
-        if self.stream:
-            raise APIError("background responses are not streamed: poll GET "
-                           "/v1/responses/{id}", param="stream")
 
     def items(self) -> list[InputMessage | FunctionCallItem | FunctionCallOutputItem]:
         """This request's input as items (text is one user message)."""
@@ -382,12 +383,14 @@ class ResponseShape:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
     async def events(self, run: AsyncIterator[tuple[str, TokenEvent]], usage,
-                     done: Callable[[dict[str, Any]], Awaitable[None]]
+                     done: Callable[[dict[str, Any]], Awaitable[None]], queued: bool = False
                      ) -> AsyncIterator[tuple[list[dict[str, Any]], bool]]:
         """The stream's events, grouped by token as `gateway.sse.EventStream` writes them,
         from `gateway.app.Gateway.run`'s (text, event) pairs; `usage(last_event)` counts the
         tokens, and `done(response)` is awaited with the final response before its event is
-        sent (it stores it). In order: created and in_progress; then the message's events as its text
+        sent (it stores it). In order: created and in_progress (`queued`, a background
+        response: created and queued at once, before `run` is started, and in_progress with the
+        first token); then the message's events as its text
         comes (item and part added, a delta per piece, text, part and item done), or the
         events of the call a named tool_choice forces as its arguments come (item added, a
         delta per piece, arguments and item done). With "auto", the message's text streams
@@ -436,8 +439,14 @@ class ResponseShape:
             return [*out, event("response.output_item.done", output_index=index, item=item)]
 
         opening = self.body("", None, None)
-        group = [event("response.created", response=opening),
-                 event("response.in_progress", response=opening)]
+        if queued:
+            waiting = self.body("", None, None, queued=True)
+            yield [event("response.created", response=waiting),
+                   event("response.queued", response=waiting)], False
+            group = [event("response.in_progress", response=opening)]
+        else:
+            group = [event("response.created", response=opening),
+                     event("response.in_progress", response=opening)]
         # What streams as one item from the start: the message, or the call a named tool_choice
         # forces (its arguments piece by piece). "required" calls open as their names come
         # (below); "auto" replies stream their text until a call begins, the calls whole.
@@ -521,6 +530,13 @@ def _failed(response: dict[str, Any], message: str) -> dict[str, Any]:
 
 # A response's statuses from which it never changes again.
 TERMINAL = ("completed", "incomplete", "failed", "cancelled")
+# The events that end a response's stream: its final status, or an error of the stream itself.
+FINAL_EVENTS = frozenset({*(f"response.{status}" for status in TERMINAL), "error"})
+# How long a replay waits for a new event before it checks that the response is still being run,
+# milliseconds.
+REPLAY_POLL_MS = 1000
+# Events a replay reads from Redis at a time (one write to its client).
+REPLAY_BATCH = 512
 
 
 class ResponseStore:
@@ -544,11 +560,12 @@ class ResponseStore:
         return r
 
     async def save(self, response: dict[str, Any], items: list[Any], quiet: bool = False,
-                   runner: dict[str, str] | None = None) -> None:
+                   runner: dict[str, str] | None = None, logged: bool = False) -> None:
         """Keep `response` (a response object) and the input `items` it answered, each item
         with an id. `quiet`: a Redis failure is logged, not raised (a stream whose reply is
         sent already). `runner`, for a background response: the token channel of the gateway
-        that runs it and its request's id in the fleet."""
+        that runs it and its request's id in the fleet; `logged`, its events are logged
+        (`log_events`) for `replay`."""
         data = []
         for item in items:
             d = item.model_dump(exclude_none=True)
@@ -561,6 +578,8 @@ class ResponseStore:
             record = {"response": response, "input": data}
             if runner is not None:
                 record["runner"] = runner
+            if logged:
+                record["logged"] = True
             await self.redis.set(self.keys.response(response["id"]), json.dumps(record),
                                  ex=self.ttl_s)
         except redis.RedisError:
@@ -633,10 +652,8 @@ class ResponseStore:
         listen on its token channel: one that is gone is settled as failed, and its request
         given to `cancel` (a request id)."""
         response, runner = record["response"], record.get("runner")
-        if runner is None or response["status"] in TERMINAL:
-            return response
-        [(_, listeners)] = await self.redis.pubsub_numsub(runner["channel"])
-        if listeners:
+        if runner is None or response["status"] in TERMINAL or not await self._runner_gone(
+                record):
             return response
         failed = _failed(response, "the gateway running this background response stopped "
                          "before it finished")
@@ -645,5 +662,84 @@ class ResponseStore:
             cancel(runner["request_id"])
         return stored or failed
 
+    async def _runner_gone(self, record: dict[str, Any]) -> bool:
+        """Whether the gateway running a background response (`record["runner"]`) is gone: no
+        client listens on its token channel."""
+        [(_, listeners)] = await self.redis.pubsub_numsub(record["runner"]["channel"])
+        return not listeners
+
+    async def log_events(self, response_id: str, events: list[dict[str, Any]]) -> None:
+        """Append a streamed background response's `events` (each with its `sequence_number`)
+        to its log, in one round trip; the log expires with the response.
+
+        Raises:
+            redis.ResponseError: an event's sequence number is already in the log (another
+                writer ended it first).
+        """
+        key = self.keys.response_events(response_id)
+        pipe = self.redis.pipeline(transaction=True)
+        for e in events:
+            # Entry ids follow the sequence numbers (0 is not a valid id), so a resumed stream
+            # starts at an id, and two writers of one number cannot both succeed.
+            pipe.xadd(key, {"event": json.dumps(e)}, id=f"0-{e['sequence_number'] + 1}")
+        pipe.expire(key, self.ttl_s)
+        await pipe.execute()
+
+    async def replay(self, response_id: str, after: int | None,
+                     cancel: Callable[[str], None]) -> AsyncIterator[tuple[list[Any], bool]]:
+        """A streamed background response's events with sequence numbers above `after` (all
+        when None), as `gateway.sse.TypedEventStream` writes them: what the log holds at once,
+        then each group as its gateway logs it, until the final event. When nothing comes for
+        `REPLAY_POLL_MS`, the response is checked: a log that ended before `after` ends the
+        stream; a runner that is gone has its response settled (`current`: failed, its request
+        given to `cancel`) and the log ended with that response's final event; a response
+        deleted or expired meanwhile ends the stream with an `error` event."""
+        key = self.keys.response_events(response_id)
+        last = f"0-{after + 1 if after is not None else 0}"
+        block: int | None = None  # the first read returns what is there without waiting
+        while True:
+            reply = await self.redis.xread({key: last}, count=REPLAY_BATCH, block=block)
+            block = REPLAY_POLL_MS
+            if reply:
+                [(_, entries)] = reply
+                last = entries[-1][0]
+                group = [json.loads(fields[b"event"]) for _, fields in entries]
+                final = group[-1]["type"] in FINAL_EVENTS
+                yield group, final
+                if final:
+                    return
+                continue
+            top = await self.redis.xrevrange(key, count=1)
+            if top and json.loads(top[0][1][b"event"])["type"] in FINAL_EVENTS:
+                yield [], True  # it ended at or before `after`
+                return
+            try:
+                record = await self.load(response_id)
+            except APIError as e:
+                yield [{"type": "error", "code": "not_found", "message": str(e), "param": None,
+                        "sequence_number": _next_sequence(top)}], True
+                return
+            if not await self._runner_gone(record):
+                continue
+            if await self.redis.xread({key: last}, count=1):
+                continue  # its last events came before it went: stream those first
+            response = await self.current(record, cancel)
+            end = {"type": f"response.{response['status']}",
+                   "sequence_number": _next_sequence(top), "response": response}
+            try:
+                await self.log_events(response_id, [end])
+            except redis.ResponseError:
+                continue  # another reader ended the log first: stream its end
+            yield [end], True
+            return
+
     async def delete(self, response_id: str) -> bool:
-        return bool(await self.redis.delete(self.keys.response(response_id)))
+        """Delete a stored response and its events; whether it was stored."""
+        removed = await self.redis.delete(self.keys.response(response_id))
+        await self.redis.delete(self.keys.response_events(response_id))
+        return bool(removed)
+
+
+def _next_sequence(top: list[Any]) -> int:
+    """The sequence number after a log's last entry (`XREVRANGE key + - COUNT 1`'s reply)."""
+    return int(top[0][0].split(b"-")[1]) if top else 0

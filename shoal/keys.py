@@ -32,6 +32,8 @@ class Keys:
             (gateway/batches.py).
         response(id): string with a TTL, a stored Responses API response and the input items
             it answered (JSON; gateway/responses.py `ResponseStore`).
+        response_events(id): stream with a TTL, a streamed background response's events, entry
+            id `0-(sequence_number + 1)`, field "event" (JSON), for clients that (re)connect.
     """
 
     prefix: str = "shoal"
@@ -98,6 +100,10 @@ class Keys:
 
     def response(self, response_id: str) -> str:
         return f"{self.prefix}:response:{response_id}"
+
+    def response_events(self, response_id: str) -> str:
+        """A streamed background response's events (a Redis stream, one entry per event)."""
+        return f"{self.prefix}:response-events:{response_id}"
 
     def rate(self, who: str, what: str, minute: int) -> str:
         """Counter of `what` ("requests" or "tokens") used by `who` (a key hash) in `minute`."""

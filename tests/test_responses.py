@@ -265,7 +265,6 @@ def test_a_function_calls_output_continues_its_stored_response(client, fleet):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True, "store": False}, "background"),
-    ({"background": True, "stream": True}, "stream"),
     ({"input": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
      "input"),
@@ -346,6 +345,74 @@ def test_cancelling_a_background_response_stops_its_request(client):
     assert final.output_text.startswith("1")
 
 
+def test_a_streamed_background_response_runs_on_without_its_client(client, oracle, tokenizer):
+    """`background` with `stream`: the events come from the response's log, so a client that
+    leaves midway loses nothing: the run goes on, and `GET /v1/responses/{id}?stream=true`
+    streams the events after any sequence number (`starting_after`), or all of them, through
+    the SDK's `responses.stream(response_id=...)`. The text they add up to is the engine's
+    greedy reply."""
+    question = "Name three colors."
+    expected = tokenizer.decode(oracle(_chat_ids(tokenizer, [{"role": "user",
+                                                              "content": question}]), 24),
+                                skip_special_tokens=True)
+    seen = []
+    with client.responses.stream(model=MODEL, input=question, max_output_tokens=24,
+                                 temperature=0, background=True) as stream:
+        for event in stream:
+            seen.append(event)
+            if len([e for e in seen if e.type == "response.output_text.delta"]) == 3:
+                break  # the client leaves
+    assert [e.type for e in seen[:3]] == ["response.created", "response.queued",
+                                          "response.in_progress"]
+    assert seen[0].response.status == "queued" and seen[0].response.background is True
+    rid, cut = seen[0].response.id, seen[-1].sequence_number
+    rest = list(client.responses.retrieve(rid, stream=True, starting_after=cut))
+    events = seen + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == expected and events[-1].response.output_text == expected
+    assert client.responses.retrieve(rid).output_text == expected  # stored as it ended
+    # The whole stream again, through the SDK's helper for an existing response.
+    with client.responses.stream(response_id=rid) as again:
+        assert [e.sequence_number for e in again] == list(range(len(events)))
+    assert list(client.responses.retrieve(rid, stream=True,
+                                          starting_after=len(events) + 5)) == []
+
+
+def test_a_streamed_background_response_ends_cancelled(client):
+    """A cancel, from any client, ends the stream of a background response with
+    `response.cancelled` and the output it had."""
+    events = []
+    with client.responses.create(model=MODEL, background=True, stream=True,
+                                 **COUNTING) as stream:
+        for event in stream:
+            events.append(event)
+            if sum(e.type == "response.output_text.delta" for e in events) == 2:
+                client.responses.cancel(events[0].response.id)
+    # The SDK has no class of its own for this event (it is also the webhook's name for a
+    # cancel), so its fields are read as sent.
+    assert events[-1].type == "response.cancelled", events[-1]
+    final = events[-1].to_dict()["response"]
+    assert final["status"] == "cancelled"
+    assert 0 < final["usage"]["output_tokens"] < COUNTING["max_output_tokens"]
+    assert final["output"][0]["content"][0]["text"] == "".join(
+        e.delta for e in events if e.type == "response.output_text.delta")
+
+
+@pytest.mark.parametrize("query, param", [
+    ({"stream": "true"}, "stream"),  # a foreground response has no log
+    ({"starting_after": "3"}, "starting_after"),  # without stream
+    ({"stream": "true", "starting_after": "-1"}, "starting_after"),
+])
+def test_streaming_a_response_again_needs_a_streamed_background_one(fleet, client, query,
+                                                                   param):
+    r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    got = httpx.get(f"{fleet['url']}/v1/responses/{r.id}", params=query, timeout=30)
+    assert got.status_code == 400, got.text
+    assert got.json()["error"]["param"].endswith(param), got.json()
+
+
 def test_a_background_response_of_a_stopped_or_lost_gateway_fails(fleet, client):
     """A gateway that stops stores its background responses failed; one killed outright leaves
     them in progress, and the next read, by any gateway, finds its token channel without a
@@ -362,12 +429,18 @@ def test_a_background_response_of_a_stopped_or_lost_gateway_fails(fleet, client)
     for sig, message in ((signal.SIGTERM, "gateway stopped"), (signal.SIGKILL, "stopped before")):
         gateway, url = spawn_gateway(fleet)
         try:
-            r = httpx.post(url + "/v1/responses", json={"background": True, **COUNTING},
-                           timeout=30)
-            assert r.status_code == 200, r.text
-            rid = r.json()["id"]
-            _until(lambda: client.responses.retrieve(rid).status == "in_progress",
-                   what="the response starting")
+            # Streamed: its client reads the first events and leaves; the run goes on.
+            rid = None
+            with httpx.stream("POST", url + "/v1/responses", timeout=30,
+                              json={"background": True, "stream": True, **COUNTING}) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        rid = rid or event["response"]["id"]
+                        if event["type"] == "response.output_text.delta":
+                            break
+            assert client.responses.retrieve(rid).status == "in_progress"
             before = scheduler_cancels()
             gateway.send_signal(sig)
             gateway.wait(timeout=30)
@@ -375,5 +448,11 @@ def test_a_background_response_of_a_stopped_or_lost_gateway_fails(fleet, client)
                             and x, what="the response failing")
             assert failed.status == "failed" and message in failed.error.message, failed
             _until(lambda: scheduler_cancels() > before, what="its request being cancelled")
+            # Its events, streamed again by another gateway, end with the failure: logged by
+            # the gateway that stopped, or by the reader that found it gone.
+            events = list(client.responses.retrieve(rid, stream=True))
+            assert [e.sequence_number for e in events] == list(range(len(events)))
+            assert events[-1].type == "response.failed", events[-1]
+            assert message in events[-1].response.error.message
         finally:
             stop_all([gateway])
