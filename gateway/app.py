@@ -1256,7 +1256,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                                       queued=True)
                 async with contextlib.aclosing(groups):
                     async for group, final in groups:
-                        await store.log_events(shape.id, group)
+                        await store.log_events(shape.id, group, create=logged < 0)
                         logged, ended = group[-1]["sequence_number"], final
             else:
                 text, last = "", None
@@ -1319,6 +1319,11 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
 
     @app.delete("/v1/responses/{response_id}", responses=error_responses(401, 404))
     async def delete_response(response_id: str):
+        """Delete a stored response and its events. A background response still running is
+        cancelled too: nothing could read it any more."""
+        record = await store.load(response_id)
+        if "runner" in record and record["response"]["status"] not in TERMINAL:
+            gw.cancel_soon(record["runner"]["request_id"])
         if not await store.delete(response_id):
             raise APIError(f"no response {response_id!r} is stored", status=404,
                            param="response_id")

@@ -668,9 +668,11 @@ class ResponseStore:
         [(_, listeners)] = await self.redis.pubsub_numsub(record["runner"]["channel"])
         return not listeners
 
-    async def log_events(self, response_id: str, events: list[dict[str, Any]]) -> None:
+    async def log_events(self, response_id: str, events: list[dict[str, Any]],
+                         create: bool = False) -> None:
         """Append a streamed background response's `events` (each with its `sequence_number`)
-        to its log, in one round trip; the log expires with the response.
+        to its log, in one round trip; the log expires with the response. Only the first
+        events `create` it: once the response is deleted, nothing is logged.
 
         Raises:
             redis.ResponseError: an event's sequence number is already in the log (another
@@ -681,7 +683,8 @@ class ResponseStore:
         for e in events:
             # Entry ids follow the sequence numbers (0 is not a valid id), so a resumed stream
             # starts at an id, and two writers of one number cannot both succeed.
-            pipe.xadd(key, {"event": json.dumps(e)}, id=f"0-{e['sequence_number'] + 1}")
+            pipe.xadd(key, {"event": json.dumps(e)}, id=f"0-{e['sequence_number'] + 1}",
+                      nomkstream=not create)
         pipe.expire(key, self.ttl_s)
         await pipe.execute()
 
@@ -692,10 +695,25 @@ class ResponseStore:
         then each group as its gateway logs it, until the final event. When nothing comes for
         `REPLAY_POLL_MS`, the response is checked: a log that ended before `after` ends the
         stream; a runner that is gone has its response settled (`current`: failed, its request
-        given to `cancel`) and the log ended with that response's final event; a response
-        deleted or expired meanwhile ends the stream with an `error` event."""
+        given to `cancel`) and the log ended with that response's final event. A response
+        deleted or expired meanwhile, or Redis failing, ends the stream with an `error`
+        event."""
+        streamed = -1 if after is None else after  # the last sequence number passed
+        try:
+            async for group, final in self._follow(response_id, streamed, cancel):
+                streamed = group[-1]["sequence_number"] if group else streamed
+                yield group, final
+        except redis.RedisError as e:
+            log.warning("streaming response %s: Redis failed: %s", response_id, e)
+            yield [_error_event("server_error", f"the gateway lost Redis while streaming the "
+                                f"response; stream it again from sequence number {streamed}: "
+                                f"{e}", streamed + 1)], True
+
+    async def _follow(self, response_id: str, after: int, cancel: Callable[[str], None]
+                      ) -> AsyncIterator[tuple[list[Any], bool]]:
+        """`replay`'s events, read from the log after sequence number `after` (-1: all)."""
         key = self.keys.response_events(response_id)
-        last = f"0-{after + 1 if after is not None else 0}"
+        last = f"0-{after + 1}"
         block: int | None = None  # the first read returns what is there without waiting
         while True:
             reply = await self.redis.xread({key: last}, count=REPLAY_BATCH, block=block)
@@ -716,8 +734,7 @@ class ResponseStore:
             try:
                 record = await self.load(response_id)
             except APIError as e:
-                yield [{"type": "error", "code": "not_found", "message": str(e), "param": None,
-                        "sequence_number": _next_sequence(top)}], True
+                yield [_error_event("not_found", str(e), _next_sequence(top))], True
                 return
             if not await self._runner_gone(record):
                 continue
@@ -738,6 +755,12 @@ class ResponseStore:
         removed = await self.redis.delete(self.keys.response(response_id))
         await self.redis.delete(self.keys.response_events(response_id))
         return bool(removed)
+
+
+def _error_event(code: str, message: str, sequence_number: int) -> dict[str, Any]:
+    """The stream event of an error that ends a stream (OpenAI's `error` event)."""
+    return {"type": "error", "code": code, "message": message, "param": None,
+            "sequence_number": sequence_number}
 
 
 def _next_sequence(top: list[Any]) -> int:

@@ -388,7 +388,8 @@ def test_a_streamed_background_response_ends_cancelled(client):
                                  **COUNTING) as stream:
         for event in stream:
             events.append(event)
-            if sum(e.type == "response.output_text.delta" for e in events) == 2:
+            if event.type == "response.output_text.delta" and sum(
+                    e.type == "response.output_text.delta" for e in events) == 2:
                 client.responses.cancel(events[0].response.id)
     # The SDK has no class of its own for this event (it is also the webhook's name for a
     # cancel), so its fields are read as sent.
@@ -398,6 +399,36 @@ def test_a_streamed_background_response_ends_cancelled(client):
     assert 0 < final["usage"]["output_tokens"] < COUNTING["max_output_tokens"]
     assert final["output"][0]["content"][0]["text"] == "".join(
         e.delta for e in events if e.type == "response.output_text.delta")
+
+
+def test_deleting_a_running_background_response_cancels_it(fleet, client):
+    """A background response deleted while it runs: its request is cancelled (nothing could
+    read it), its log is gone and not made again, and a client streaming it gets an `error`
+    event that ends the stream."""
+    import openai
+
+    from tests.conftest import metric_sum
+
+    def scheduler_cancels() -> float:
+        return metric_sum(fleet["metrics"]["scheduler"], "shoal_requests_finished_total",
+                          finish_reason="cancelled")
+
+    before = scheduler_cancels()
+    events = []
+    with client.responses.create(model=MODEL, background=True, stream=True,
+                                 **COUNTING) as stream:
+        for event in stream:
+            events.append(event)
+            if event.type == "response.output_text.delta" and sum(
+                    e.type == "response.output_text.delta" for e in events) == 2:
+                client.responses.delete(events[0].response.id)
+    assert events[-1].type == "error" and events[-1].code == "not_found", events[-1]
+    rid = events[0].response.id
+    _until(lambda: scheduler_cancels() > before, what="its request being cancelled")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(rid)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(rid, stream=True)
 
 
 @pytest.mark.parametrize("query, param", [
@@ -456,3 +487,28 @@ def test_a_background_response_of_a_stopped_or_lost_gateway_fails(fleet, client)
             assert message in events[-1].response.error.message
         finally:
             stop_all([gateway])
+
+
+def test_a_replay_that_loses_redis_ends_with_an_error_event():
+    """Streaming a response again from a Redis that is gone ends the stream with an `error`
+    event that says where to resume, not a broken connection."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from gateway.responses import ResponseStore
+    from shoal.fleet import free_port
+    from shoal.keys import Keys
+
+    async def replay() -> list:
+        client = aioredis.Redis(port=free_port())  # nothing listens there
+        store = ResponseStore(lambda: client, Keys(), ttl_s=60)
+        try:
+            return [g async for g in store.replay("resp_1", 4, lambda request_id: None)]
+        finally:
+            await client.aclose()
+
+    [(events, final)] = asyncio.run(replay())
+    assert final and [e["type"] for e in events] == ["error"]
+    assert events[0]["code"] == "server_error" and events[0]["sequence_number"] == 5
+    assert "from sequence number 4" in events[0]["message"]
