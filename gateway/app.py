@@ -1227,15 +1227,24 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         (and ends its log with `response.failed`)."""
         logged = -1  # the sequence number of the last event logged
         ended = False  # the log holds a final event
+        stopped: dict[str, Any] | None = None  # the stored object of a run stopped at its start
 
         async def started(run: AsyncIterator[tuple[str, TokenEvent]]):
+            """`run`, the response stored in progress at its first token; stopped there when
+            it was cancelled (or found failed) first, or deleted: a cancel that reached the
+            scheduler before the request did found nothing to cancel."""
+            nonlocal stopped
             first = True
-            async with contextlib.aclosing(run) as events:
+            async with contextlib.aclosing(run) as events:  # leaving it cancels the request
                 async for piece, ev in events:
                     if first:
                         first = False
-                        await store.settle(shape.body("", None, None),
-                                           unless=(*TERMINAL, "in_progress"))
+                        stored = await store.settle(shape.body("", None, None),
+                                                    unless=(*TERMINAL, "in_progress"))
+                        if ev.finish_reason is None and (stored is None
+                                                         or stored["status"] in TERMINAL):
+                            stopped = stored or shape.failed("the response was deleted")
+                            return
                     yield piece, ev
 
         async def finish(final: dict[str, Any]) -> None:
@@ -1258,12 +1267,17 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                     async for group, final in groups:
                         await store.log_events(shape.id, group, create=logged < 0)
                         logged, ended = group[-1]["sequence_number"], final
+                if stopped is not None and not ended:  # the log ends as the response stands
+                    await store.log_events(shape.id, [{
+                        "type": f"response.{stopped['status']}", "sequence_number": logged + 1,
+                        "response": stopped}])
             else:
                 text, last = "", None
                 async with contextlib.aclosing(started(gw.run(p))) as pieces:
                     async for piece, ev in pieces:
                         text, last = text + piece, ev
-                await finish(shape.body(text, last, _usage([p], last)))
+                if stopped is None:
+                    await finish(shape.body(text, last, _usage([p], last)))
         except asyncio.CancelledError:
             with contextlib.suppress(redis.RedisError):
                 await fail("the gateway stopped before the response finished")

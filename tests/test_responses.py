@@ -300,6 +300,14 @@ LONG_REPLY = {"input": "Repeat the word hello 3000 times.", "max_output_tokens":
               "temperature": 0}
 
 
+def _scheduler_cancels(fleet) -> float:
+    """Requests the fleet's scheduler has counted cancelled."""
+    from tests.conftest import metric_sum
+
+    return metric_sum(fleet["metrics"]["scheduler"], "shoal_requests_finished_total",
+                      finish_reason="cancelled")
+
+
 def test_a_background_response_is_queued_then_read_when_done(client, fleet, oracle, tokenizer):
     """`background`: the reply is the response, queued; GET reads it as it stands and finally
     returns what the same request gives in the foreground (the engine's greedy reply)."""
@@ -409,13 +417,7 @@ def test_deleting_a_running_background_response_cancels_it(fleet, client):
     event that ends the stream."""
     import openai
 
-    from tests.conftest import metric_sum
-
-    def scheduler_cancels() -> float:
-        return metric_sum(fleet["metrics"]["scheduler"], "shoal_requests_finished_total",
-                          finish_reason="cancelled")
-
-    before = scheduler_cancels()
+    before = _scheduler_cancels(fleet)
     events = []
     with client.responses.create(model=MODEL, background=True, stream=True,
                                  **LONG_REPLY) as stream:
@@ -426,11 +428,39 @@ def test_deleting_a_running_background_response_cancels_it(fleet, client):
                 client.responses.delete(events[0].response.id)
     assert events[-1].type == "error" and events[-1].code == "not_found", events[-1]
     rid = events[0].response.id
-    _until(lambda: scheduler_cancels() > before, what="its request being cancelled")
+    _until(lambda: _scheduler_cancels(fleet) > before, what="its request being cancelled")
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(rid)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(rid, stream=True)
+
+
+def test_a_cancel_that_reached_the_fleet_before_its_request_still_stops_it(fleet, client):
+    """A cancel can reach the scheduler before the request it cancels, and find nothing to
+    cancel there. The gateway running the response then finds it stored cancelled at its
+    first token and cancels the request itself: the stream ends with `response.cancelled`
+    and no text, instead of generating thousands of tokens for nobody."""
+    import redis
+
+    r = redis.Redis.from_url(fleet["redis"])
+    before = _scheduler_cancels(fleet)
+    events = []
+    # A long prompt: its prefill leaves the test ample time to store the cancel first.
+    with client.responses.create(model=MODEL, background=True, stream=True,
+                                 **{**LONG_REPLY, "input": "hello " * 500 + LONG_REPLY["input"]}
+                                 ) as stream:
+        for event in stream:
+            events.append(event)
+            if event.type == "response.created":
+                # As the cancel route stores it, but no cancel goes to the scheduler: as if
+                # it had come and gone before the request.
+                key = f"shoal:response:{event.response.id}"
+                record = json.loads(r.get(key))
+                record["response"]["status"] = "cancelled"
+                r.set(key, json.dumps(record), keepttl=True)
+    assert events[-1].type == "response.cancelled", events[-1]
+    assert not [e for e in events if e.type == "response.output_text.delta"]
+    _until(lambda: _scheduler_cancels(fleet) > before, what="its request being cancelled")
 
 
 @pytest.mark.parametrize("query, param", [
@@ -453,11 +483,7 @@ def test_a_background_response_of_a_stopped_or_lost_gateway_fails(fleet, client)
     import signal
 
     from shoal.fleet import stop_all
-    from tests.conftest import metric_sum, spawn_gateway
-
-    def scheduler_cancels() -> float:
-        return metric_sum(fleet["metrics"]["scheduler"], "shoal_requests_finished_total",
-                          finish_reason="cancelled")
+    from tests.conftest import spawn_gateway
 
     for sig, message in ((signal.SIGTERM, "gateway stopped"), (signal.SIGKILL, "stopped before")):
         gateway, url = spawn_gateway(fleet)
@@ -474,13 +500,13 @@ def test_a_background_response_of_a_stopped_or_lost_gateway_fails(fleet, client)
                         if event["type"] == "response.output_text.delta":
                             break
             assert client.responses.retrieve(rid).status == "in_progress"
-            before = scheduler_cancels()
+            before = _scheduler_cancels(fleet)
             gateway.send_signal(sig)
             gateway.wait(timeout=30)
             failed = _until(lambda: (x := client.responses.retrieve(rid)).status != "in_progress"
                             and x, what="the response failing")
             assert failed.status == "failed" and message in failed.error.message, failed
-            _until(lambda: scheduler_cancels() > before, what="its request being cancelled")
+            _until(lambda: _scheduler_cancels(fleet) > before, what="its request being cancelled")
             # Its events, streamed again by another gateway, end with the failure: logged by
             # the gateway that stopped, or by the reader that found it gone.
             events = list(client.responses.retrieve(rid, stream=True))
