@@ -564,6 +564,18 @@ def _token_name(model: ServedModel, as_token_ids: bool) -> Callable[[int], str]:
     return (lambda t: f"token_id:{t}") if as_token_ids else model.token_text
 
 
+def _logprob_entries(name: Callable[[int], str], ids: list[int], lps: list[float | None],
+                     tops: list | None) -> list[dict[str, Any]]:
+    """Chat's logprobs of tokens `ids` (and the Responses API's): an entry per token, named by
+    `name`, with its text's bytes and its step's alternatives (`tops`: (id, logprob) pairs per
+    token; empty entries unless top_logprobs was asked for)."""
+    def entry(t: int, lp: float | None) -> dict[str, Any]:
+        text = name(t)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+    return [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]}
+            for t, lp, top in zip(ids, lps, tops or [[]] * len(ids))]
+
+
 def _token_slice(ev: TokenEvent, start: int, end: int) -> TokenEvent:
     """`ev` with only its tokens `start:end` (and their logprobs)."""
     return replace(ev, index=ev.index + start, token_ids=ev.token_ids[start:end],
@@ -1102,18 +1114,10 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                 "model": p.model.name}
 
         def logprobs(ids: list[int], lps: list, tops: list | None) -> dict | None:
-            """The chat form: an entry per token with its text's bytes and its step's
-            alternatives (empty unless top_logprobs was asked for)."""
             if not req.logprobs:
                 return None
-
-            name = _token_name(p.model, req.return_tokens_as_token_ids)
-
-            def entry(t: int, lp: float | None) -> dict[str, Any]:
-                text = name(t)
-                return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-            return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]}
-                                for t, lp, top in zip(ids, lps, tops or [[]] * len(ids))]}
+            return {"content": _logprob_entries(
+                _token_name(p.model, req.return_tokens_as_token_ids), ids, lps, tops)}
 
         tools = p.tools
         if req.stream:
@@ -1195,7 +1199,9 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         with responses_refusals():
             p = await gw.prepare(gw.prepare_chat, req.to_chat(history))
         await admit([p], _presented_key(request.headers))
-        shape = ResponseShape(req, p.model.name, p.tools)
+        name = _token_name(p.model, False)
+        shape = ResponseShape(req, p.model.name, p.tools, lambda ev: _logprob_entries(
+            name, ev.token_ids, ev.logprobs, ev.top_logprobs))
         items = [*history, *req.items()]
 
         async def keep(response: dict[str, Any], quiet: bool = False) -> None:
@@ -1214,7 +1220,9 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
             return TypedEventStream(shape.events(gw.run(p), lambda last: _usage([p], last),
                                                  lambda response: keep(response, quiet=True)))
         done = (await _collect([p]))[0]
-        response = shape.body(done.text, done.last, _usage([p], done.last))
+        response = shape.body(done.text, done.last, _usage([p], done.last),
+                              logprobs=_logprob_entries(name, done.ids, done.logprobs, done.tops)
+                              if shape.logprobs else None)
         await keep(response)
         return response
 
@@ -1272,12 +1280,14 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                         "type": f"response.{stopped['status']}", "sequence_number": logged + 1,
                         "response": stopped}])
             else:
-                text, last = "", None
+                text, last, logprobs = "", None, []
                 async with contextlib.aclosing(started(gw.run(p))) as pieces:
                     async for piece, ev in pieces:
                         text, last = text + piece, ev
+                        if shape.logprobs is not None and ev.token_ids:
+                            logprobs += shape.logprobs(ev)
                 if stopped is None:
-                    await finish(shape.body(text, last, _usage([p], last)))
+                    await finish(shape.body(text, last, _usage([p], last), logprobs=logprobs))
         except asyncio.CancelledError:
             with contextlib.suppress(redis.RedisError):
                 await fail("the gateway stopped before the response finished")

@@ -1,6 +1,7 @@
 """OpenAI's Responses API (`POST /v1/responses`) on top of chat: a request's `instructions` and
 `input` become a chat request's messages (earlier function calls and their outputs included),
-its `text.format` a structured output and its function `tools` the chat API's; the reply
+its `text.format` a structured output, its function `tools` the chat API's and its `include` of
+`message.output_text.logprobs` (with `top_logprobs`) chat's logprobs; the reply
 becomes a response object with an assistant message or function calls, or, streamed, the
 API's typed events (`response.created` ... `response.output_text.delta` ...
 `response.completed`).
@@ -61,6 +62,7 @@ from gateway.schemas import (
 from gateway.tools import CallArrayReader, ToolCalls
 from shoal.keys import Keys
 from shoal.messages import TokenEvent
+from shoal.sampling_params import MAX_TOP_LOGPROBS
 
 log = logging.getLogger("shoal.gateway")
 
@@ -174,6 +176,16 @@ class TextConfig(BaseModel):
     format: TextFormat = TextFormat(type="text")
 
 
+# `include`'s value that adds the output tokens' logprobs.
+LOGPROBS = "message.output_text.logprobs"
+# What OpenAI's `include` may name: the logprobs, and parts of items shoal never makes (searches,
+# code runs, images in the input, reasoning).
+Includable = Literal["message.output_text.logprobs", "file_search_call.results",
+                     "web_search_call.results", "web_search_call.action.sources",
+                     "message.input_image.image_url", "computer_call_output.output.image_url",
+                     "code_interpreter_call.outputs", "reasoning.encrypted_content"]
+
+
 class ResponsesRequest(BaseModel):
     """`POST /v1/responses`: the fields shoal serves; others that change the reply are refused
     by name."""
@@ -200,6 +212,13 @@ class ResponsesRequest(BaseModel):
                         "GET /v1/responses/{id} and previous_response_id (for the gateway's "
                         "--responses-ttl)")
     user: str | None = None
+    include: list[Includable] | None = Field(
+        default=None, description='"message.output_text.logprobs" adds each output token\'s '
+        "logprob to the message's text (with top_logprobs alternatives); the others name items "
+        "shoal never makes, and change nothing")
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
+                                     description="the most likely tokens at each step, with "
+                                     "include message.output_text.logprobs")
     # shoal's and vLLM's extensions, as on chat
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     top_k: int = Field(default=-1, ge=-1, le=INT32_MAX)
@@ -223,6 +242,11 @@ class ResponsesRequest(BaseModel):
             raise APIError("a background response must be stored (store: true): it is read "
                            "with GET /v1/responses/{id}", param="background")
 
+    @property
+    def logprobs(self) -> bool:
+        """Whether the reply's tokens come with their logprobs."""
+        return LOGPROBS in (self.include or ())
+
     def items(self) -> list[InputMessage | FunctionCallItem | FunctionCallOutputItem]:
         """This request's input as items (text is one user message)."""
         if isinstance(self.input, str):
@@ -241,7 +265,8 @@ class ResponsesRequest(BaseModel):
         return ChatRequest(
             model=self.model, messages=messages, max_completion_tokens=self.max_output_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-            priority=self.priority, stream=self.stream,
+            priority=self.priority, stream=self.stream, logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs if self.logprobs else None,
             response_format=fmt.response_format() if fmt else None,
             tools=[Tool(type="function", function=FunctionDefinition(**t.model_dump(
                 exclude={"type"}))) for t in self.tools] if self.tools else None,
@@ -287,10 +312,14 @@ class ResponseShape:
         req: the request.
         model: the name the reply is from.
         tools: how its text becomes function calls (None: it is a message).
+        logprobs: the logprob entries of an event's tokens (`{"token", "logprob", "bytes",
+            "top_logprobs"}` each), when the request includes them and the reply is a message.
     """
 
-    def __init__(self, req: ResponsesRequest, model: str, tools: ToolCalls | None) -> None:
+    def __init__(self, req: ResponsesRequest, model: str, tools: ToolCalls | None,
+                 logprobs: Callable[[TokenEvent], list[dict[str, Any]]] | None = None) -> None:
         self.req, self.model, self.tools = req, model, tools
+        self.logprobs = logprobs if req.logprobs and tools is None else None
         self.id = f"resp_{uuid.uuid4().hex}"
         self.item_id = f"msg_{uuid.uuid4().hex}"
         self._call_items: dict[int, str] = {}  # call index -> its item's id
@@ -312,11 +341,13 @@ class ResponseShape:
                 "status": status}
 
     def body(self, text: str, last: TokenEvent | None, usage: dict[str, Any] | None,
-             queued: bool = False) -> dict[str, Any]:
+             queued: bool = False, logprobs: list[dict[str, Any]] | None = None
+             ) -> dict[str, Any]:
         """The response object: queued (`queued`: a background response not started), in
         progress (no `last` event yet), completed, incomplete (cut at `max_output_tokens` or
         the context window), cancelled (a background response's request cancelled: its output
-        so far) or failed (an error event); `usage` as `gateway.app._usage` counts it."""
+        so far) or failed (an error event); `usage` as `gateway.app._usage` counts it;
+        `logprobs`, the message's tokens' (`logprobs` entries)."""
         status, incomplete, error = "queued" if queued else "in_progress", None, None
         if last is not None:
             if last.finish_reason == "cancelled":
@@ -328,14 +359,16 @@ class ResponseShape:
                 status, incomplete = "incomplete", {"reason": "max_output_tokens"}
             else:
                 status = "completed"
-        output = self.output(text, status) if last is not None and status != "failed" else []
+        output = self.output(text, status, logprobs or []) \
+            if last is not None and status != "failed" else []
         req = self.req
         return {
             "id": self.id, "object": "response", "created_at": self.created_at,
             "status": status, "model": self.model, "output": output, "error": error,
             "incomplete_details": incomplete, "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens, "temperature": req.temperature,
-            "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
+            "top_p": req.top_p, "top_logprobs": req.top_logprobs,
+            "parallel_tool_calls": req.parallel_tool_calls,
             "tool_choice": (req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel)
                             else req.tool_choice or ("auto" if req.tools else "none")),
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
@@ -350,7 +383,8 @@ class ResponseShape:
                 "total_tokens": usage["total_tokens"]},
         }
 
-    def output(self, text: str, status: str) -> list[dict[str, Any]]:
+    def output(self, text: str, status: str, logprobs: list[dict[str, Any]] = ()
+               ) -> list[dict[str, Any]]:
         """The output items of a finished reply: its function calls (each an item, after the
         message the model wrote before them, if any), or the assistant's message. A "required"
         reply cut short is the calls it had begun (the last "incomplete", its arguments as far
@@ -366,21 +400,23 @@ class ResponseShape:
             if begun:
                 return begun
         if not calls:
-            return [self.message(content or "", status)]
+            return [self.message(content or "", status, logprobs)]
         return ([self.message(content, status)] if content else []) + [
             self.call_item(k, c["function"]["name"], c["function"]["arguments"], "completed")
             for k, c in enumerate(calls)]
 
-    def message(self, text: str, status: str) -> dict[str, Any]:
+    def message(self, text: str, status: str, logprobs: list[dict[str, Any]] = ()
+                ) -> dict[str, Any]:
         """The output's one item: the assistant's message."""
         return {"type": "message", "id": self.item_id, "role": "assistant",
                 "status": "in_progress" if status == "in_progress" else
                 "incomplete" if status in ("incomplete", "cancelled") else "completed",
-                "content": [self.part(text)] if status != "in_progress" else []}
+                "content": [self.part(text, logprobs)] if status != "in_progress" else []}
 
     @staticmethod
-    def part(text: str) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    def part(text: str, logprobs: list[dict[str, Any]] = ()) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [],
+                "logprobs": list(logprobs)}
 
     async def events(self, run: AsyncIterator[tuple[str, TokenEvent]], usage,
                      done: Callable[[dict[str, Any]], Awaitable[None]], queued: bool = False
@@ -423,11 +459,11 @@ class ResponseShape:
             out = []
             if item["type"] == "message":
                 text = item["content"][0]["text"]
-                if delta:
+                if delta or pending:
                     out.append(event("response.output_text.delta", **where, content_index=0,
-                                     delta=delta, logprobs=[]))
+                                     delta=delta or "", logprobs=take()))
                 out += [event("response.output_text.done", **where, content_index=0, text=text,
-                              logprobs=[]),
+                              logprobs=item["content"][0]["logprobs"]),
                         event("response.content_part.done", **where, content_index=0,
                               part=item["content"][0])]
             else:
@@ -463,9 +499,21 @@ class ResponseShape:
         names: dict[int, str] = {}  # with required: the calls opened, by index
         sent = ""  # with auto: the text streamed so far, in the message opened by its start
         text = ""
+        logprobs: list[dict[str, Any]] = []  # the message's tokens', when asked for
+        pending: list[dict[str, Any]] = []  # those not sent yet (text the detokenizer held)
+
+        def take() -> list[dict[str, Any]]:
+            out = pending[:]
+            pending.clear()
+            return out
+
         async with contextlib.aclosing(run) as stream:  # leaving early cancels the request
             async for piece, ev in stream:
                 text += piece
+                if self.logprobs is not None and ev.token_ids:
+                    entries = self.logprobs(ev)
+                    logprobs += entries
+                    pending += entries
                 if ev.finish_reason == "error":
                     failed = self.body(text, ev, None)
                     await done(failed)
@@ -483,7 +531,7 @@ class ResponseShape:
                         group += closed(k, self.call_item(k, names.pop(k), self.tools.arguments(
                             0, k), "completed"), None)
                 if ev.finish_reason is not None:
-                    final = self.body(text, ev, usage(ev))
+                    final = self.body(text, ev, usage(ev), logprobs=logprobs)
                     await done(final)
                     if streamed is not None:
                         group += closed(0, final["output"][0], piece)
@@ -511,7 +559,7 @@ class ResponseShape:
                 if piece and streamed is not None:
                     group.append(
                         event("response.output_text.delta", item_id=self.item_id,
-                              output_index=0, content_index=0, delta=piece, logprobs=[])
+                              output_index=0, content_index=0, delta=piece, logprobs=take())
                         if streamed["type"] == "message" else
                         event("response.function_call_arguments.delta",
                               item_id=self.call_item_id(0), output_index=0, delta=piece))

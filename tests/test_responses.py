@@ -78,6 +78,41 @@ def test_a_streamed_response_sends_the_apis_events_in_order(client, oracle, toke
     assert len({d.item_id for d in deltas} | {events[-2].item.id}) == 1
 
 
+def test_include_logprobs_gives_each_output_tokens_logprob_as_chat_does(client):
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs`: the message's text part
+    lists each token with its logprob and alternatives, as chat's logprobs give them for the
+    same conversation; streamed, each text delta carries its tokens', adding up to the final
+    part's."""
+    question = "Name three colors."
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=8,
+        temperature=0, logprobs=True, top_logprobs=2)
+    want = chat.choices[0].logprobs.content
+    asked = {"model": MODEL, "input": question, "max_output_tokens": 8, "temperature": 0,
+             "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    r = client.responses.create(**asked)
+    got = r.output[0].content[0].logprobs
+    assert r.top_logprobs == 2 and r.output_text == chat.choices[0].message.content
+    assert [x.token for x in got] == [x.token for x in want]
+    assert "".join(x.token for x in got) == r.output_text
+    for g, w in zip(got, want, strict=True):
+        assert g.logprob == pytest.approx(w.logprob, abs=1e-3) and g.bytes == w.bytes
+        assert [t.token for t in g.top_logprobs] == [t.token for t in w.top_logprobs]
+        assert g.top_logprobs[0].logprob == pytest.approx(w.top_logprobs[0].logprob, abs=1e-3)
+
+    events = list(client.responses.create(**asked, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert all("".join(x.token for x in d.logprobs) == d.delta for d in deltas)
+    final = events[-1].response.output[0].content[0].logprobs
+    assert [x.token for d in deltas for x in d.logprobs] == [x.token for x in final] == \
+        [x.token for x in got]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [x.to_dict() for x in done.logprobs] == [x.to_dict() for x in final]
+    # Not asked for: none.
+    plain = client.responses.create(**{k: v for k, v in asked.items() if k != "include"})
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == r.output_text
+
+
 def test_text_format_makes_a_reply_of_the_schema(client):
     """`text.format` json_schema through the SDK's `responses.parse` (a pydantic model)."""
     from pydantic import BaseModel
@@ -271,6 +306,8 @@ def test_a_function_calls_output_continues_its_stored_response(client, fleet):
     ({"input": 5}, "input"),
     ({"input": []}, "input"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
+    ({"include": ["everything"]}, "include"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
      "text.format"),
