@@ -43,8 +43,14 @@ from gateway.batches import FILES_PATH, batches_router
 from gateway.jobs import Jobs, jobs_router
 from gateway.models import ModelCatalog, ServedModel
 from gateway.pages import pages_router
-from gateway.prepare import Prepared, RequestPreparation
-from gateway.responses import TERMINAL, ResponseShape, ResponsesRequest, ResponseStore
+from gateway.prepare import Prepared, PromptTooLong, RequestPreparation
+from gateway.responses import (
+    TERMINAL,
+    ResponseShape,
+    ResponsesRequest,
+    ResponseStore,
+    truncated,
+)
 from gateway.responses import refusals as responses_refusals
 from gateway.schemas import (
     GENERATION_RESPONSES,
@@ -1196,13 +1202,20 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         req.check_background()
         history = await store.history(req.previous_response_id) \
             if req.previous_response_id else []
+        items = [*history, *req.items()]
+        asked = items
         with responses_refusals():
-            p = await gw.prepare(gw.prepare_chat, req.to_chat(history))
+            while True:
+                try:
+                    p = await gw.prepare(gw.prepare_chat, req.to_chat(asked))
+                    break
+                except PromptTooLong:
+                    if req.truncation != "auto" or (asked := truncated(asked)) is None:
+                        raise
         await admit([p], _presented_key(request.headers))
         name = _token_name(p.model, False)
         shape = ResponseShape(req, p.model.name, p.tools, lambda ev: _logprob_entries(
             name, ev.token_ids, ev.logprobs, ev.top_logprobs))
-        items = [*history, *req.items()]
 
         async def keep(response: dict[str, Any], quiet: bool = False) -> None:
             if req.store:

@@ -44,6 +44,10 @@ class Prepared:
     tools: ToolCalls | None = None
 
 
+class PromptTooLong(APIError):
+    """A prompt that leaves no room in the context window for a token (400)."""
+
+
 class RequestPreparation:
     """Turns completions and chat requests into `Prepared` requests (see the module)."""
 
@@ -60,8 +64,9 @@ class RequestPreparation:
         window = model.max_model_len
         room = window - prompt_len
         if room < 1:
-            raise APIError(f"the prompt has {prompt_len} tokens; the context window is {window}",
-                           param="messages" if isinstance(req, ChatRequest) else "prompt")
+            raise PromptTooLong(f"the prompt has {prompt_len} tokens; the context window is "
+                                f"{window}",
+                                param="messages" if isinstance(req, ChatRequest) else "prompt")
         if req.context_overflow == "error":
             max_tokens = min(max_tokens or room, room)
         else:

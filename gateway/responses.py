@@ -229,6 +229,10 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = Field(
         default=None, description="a stored response whose input and output come before this "
         "input (its instructions do not)")
+    truncation: Literal["auto", "disabled"] = Field(
+        default="disabled", description='"auto": a conversation too long for the context '
+        "window loses its oldest items (after system and developer messages) until it fits; "
+        '"disabled": it gets a 400')
     background: bool = Field(default=False, description="run the response whether or not the "
                              "client stays: the reply is the response, queued (poll GET "
                              "/v1/responses/{id}), or with stream its events, which GET "
@@ -253,13 +257,14 @@ class ResponsesRequest(BaseModel):
             return [InputMessage(role="user", content=self.input)]
         return list(self.input)
 
-    def to_chat(self, history: list[InputMessage | FunctionCallItem | FunctionCallOutputItem]
-                = ()) -> ChatRequest:
-        """The chat request this response is the reply to, after the `history` of a previous
-        response (`ResponseStore.history`)."""
+    def to_chat(self, items: list[InputMessage | FunctionCallItem | FunctionCallOutputItem]
+                ) -> ChatRequest:
+        """The chat request this response is the reply to: its instructions, then the
+        conversation `items` (a previous response's history, `ResponseStore.history`, and this
+        request's `items()`, or what `truncated` left of them)."""
         messages = [ChatMessage(role="system", content=self.instructions)] \
             if self.instructions is not None else []
-        messages += _chat_messages([*history, *self.items()])
+        messages += _chat_messages(items)
         fmt = self.text.format if self.text else None
         choice = self.tool_choice
         return ChatRequest(
@@ -273,6 +278,21 @@ class ResponsesRequest(BaseModel):
             tool_choice=NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
             if isinstance(choice, FunctionChoice) else choice,
             parallel_tool_calls=self.parallel_tool_calls)
+
+
+def truncated(items: list[InputMessage | FunctionCallItem | FunctionCallOutputItem]
+              ) -> list[InputMessage | FunctionCallItem | FunctionCallOutputItem] | None:
+    """`truncation: "auto"`'s next try: the conversation without its oldest item after the
+    system and developer messages that lead it (and without the outputs of a function call so
+    dropped, which would answer nothing); None when only the last item is left to drop."""
+    lead = next((i for i, item in enumerate(items) if not (
+        isinstance(item, InputMessage) and item.role in ("system", "developer"))), len(items))
+    if lead >= len(items) - 1:
+        return None
+    rest = items[lead + 1:]
+    while len(rest) > 1 and isinstance(rest[0], FunctionCallOutputItem):
+        rest = rest[1:]
+    return [*items[:lead], *rest]
 
 
 def _chat_messages(items: list[InputMessage | FunctionCallItem | FunctionCallOutputItem]
@@ -374,6 +394,7 @@ class ResponseShape:
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
             "text": {"format": (req.text.format if req.text else TextFormat(type="text")).echo()},
             "metadata": req.metadata or {}, "user": req.user, "store": req.store,
+            "truncation": req.truncation,
             "background": req.background, "previous_response_id": req.previous_response_id,
             "usage": None if usage is None else {
                 "input_tokens": usage["prompt_tokens"],

@@ -113,6 +113,45 @@ def test_include_logprobs_gives_each_output_tokens_logprob_as_chat_does(client):
     assert plain.output[0].content[0].logprobs == [] and plain.output_text == r.output_text
 
 
+def test_truncation_auto_drops_the_oldest_items_that_do_not_fit(client):
+    """A conversation longer than the context window: a 400 naming `input` by default; with
+    `truncation: "auto"` the oldest items after the developer message are dropped until it
+    fits, so the reply is the one to what is left, and the stored input stays whole."""
+    import openai
+
+    items = [{"role": "developer", "content": "Answer in a few words."},
+             {"role": "user", "content": "hello " * 9000},  # past the 8,192-token window
+             {"role": "assistant", "content": "Hello!"},
+             {"role": "user", "content": "Name a fruit."}]
+    asked = {"model": MODEL, "max_output_tokens": 6, "temperature": 0}
+    with pytest.raises(openai.BadRequestError, match="context window") as e:
+        client.responses.create(input=items, **asked)
+    assert e.value.body["param"] == "input"
+    r = client.responses.create(input=items, truncation="auto", **asked)
+    fits = client.responses.create(input=[items[0], *items[2:]], **asked)
+    assert r.truncation == "auto" and r.output_text == fits.output_text
+    assert r.usage.input_tokens == fits.usage.input_tokens < 100
+    assert len(client.responses.input_items.list(r.id).data) == len(items)
+
+
+def test_truncation_keeps_the_lead_and_the_last_item_and_drops_calls_with_their_outputs():
+    from gateway.responses import _ITEMS, truncated
+
+    def kinds(items):
+        return None if items is None else [getattr(i, "role", i.type) for i in items]
+
+    dev = {"role": "developer", "content": "Be brief."}
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": "c1", "output": "42"}
+    user = {"role": "user", "content": "And now?"}
+    items = _ITEMS.validate_python([dev, call, output, {**output, "call_id": "c2"}, user])
+    assert kinds(truncated(items)) == ["developer", "user"]
+    assert kinds(truncated(_ITEMS.validate_python([user, {**user, "role": "assistant"}, user]))) \
+        == ["assistant", "user"]
+    assert truncated(_ITEMS.validate_python([dev, user])) is None
+    assert truncated(_ITEMS.validate_python([user])) is None
+
+
 def test_text_format_makes_a_reply_of_the_schema(client):
     """`text.format` json_schema through the SDK's `responses.parse` (a pydantic model)."""
     from pydantic import BaseModel

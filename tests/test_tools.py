@@ -375,7 +375,7 @@ def test_auto_streams_the_text_before_a_call_on_the_messages_and_responses_apis(
 
     req = ResponsesRequest(model="m", input="x", tools=[{"type": "function", "name": "get_time",
                                                          "parameters": TIME}])
-    shape = ResponseShape(req, "m", ToolCalls.of(req.to_chat([]), "hermes"))
+    shape = ResponseShape(req, "m", ToolCalls.of(req.to_chat(req.items()), "hermes"))
 
     async def stored(_response) -> None:
         pass
@@ -564,7 +564,7 @@ def test_required_streams_each_call_on_the_messages_and_responses_apis():
 
     async def stored(_response) -> None:
         pass
-    shape = ResponseShape(req, "m", ToolCalls.of(req.to_chat([])))
+    shape = ResponseShape(req, "m", ToolCalls.of(req.to_chat(req.items())))
     events = asyncio.run(_all(shape.events(_pieces(text), _usage, stored)))
     final = events[-1]["response"]["output"]
     assert events[-1]["type"] == "response.completed"
@@ -587,7 +587,7 @@ def test_required_streams_each_call_on_the_messages_and_responses_apis():
 
     cut = '[{"name": "get_time", "parameters": {"timezone": "UTC"}}, {"name": "get_weather", ' \
         '"parameters": {"ci'
-    shape = ResponseShape(req, "m", ToolCalls.of(req.to_chat([])))
+    shape = ResponseShape(req, "m", ToolCalls.of(req.to_chat(req.items())))
     events = asyncio.run(_all(shape.events(_pieces(cut, "length"), _usage, stored)))
     assert events[-1]["type"] == "response.incomplete"
     first, second = events[-1]["response"]["output"]
