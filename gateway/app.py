@@ -49,6 +49,7 @@ from gateway.responses import (
     ResponseShape,
     ResponsesRequest,
     ResponseStore,
+    final_event,
     truncated,
 )
 from gateway.responses import refusals as responses_refusals
@@ -1203,15 +1204,8 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         history = await store.history(req.previous_response_id) \
             if req.previous_response_id else []
         items = [*history, *req.items()]
-        asked = items
         with responses_refusals():
-            while True:
-                try:
-                    p = await gw.prepare(gw.prepare_chat, req.to_chat(asked))
-                    break
-                except PromptTooLong:
-                    if req.truncation != "auto" or (asked := truncated(asked)) is None:
-                        raise
+            p = await prepare_response(req, items)
         await admit([p], _presented_key(request.headers))
         name = _token_name(p.model, False)
         shape = ResponseShape(req, p.model.name, p.tools, lambda ev: _logprob_entries(
@@ -1238,6 +1232,21 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                               if shape.logprobs else None)
         await keep(response)
         return response
+
+    async def prepare_response(req: ResponsesRequest, items: list[Any]) -> Prepared:
+        """The chat request a response answers, over the conversation `items`; with
+        `truncation: "auto"`, over what is left of them once the oldest that do not fit the
+        context window are dropped (`truncated`).
+
+        Raises:
+            APIError: as `prepare_chat`: the conversation does not fit (`PromptTooLong`, also
+                once "auto" has dropped all but its last item), and the rest."""
+        while True:
+            try:
+                return await gw.prepare(gw.prepare_chat, req.to_chat(items))
+            except PromptTooLong:
+                if req.truncation != "auto" or (items := truncated(items)) is None:
+                    raise
 
     async def run_in_background(p: Prepared, shape: ResponseShape, streamed: bool) -> None:
         """A background response's request run to its end, the response stored in progress at
@@ -1273,12 +1282,13 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                 if final["status"] == "cancelled" else TERMINAL
             await store.settle(final, unless)
 
-        async def fail(message: str) -> None:
-            stored = await store.settle(shape.failed(message)) or shape.failed(message)
+        async def end_log(response: dict[str, Any]) -> None:
+            """End the log of a streamed run that stopped short of its final event."""
             if streamed and not ended:
-                await store.log_events(shape.id, [{
-                    "type": f"response.{stored['status']}", "sequence_number": logged + 1,
-                    "response": stored}])
+                await store.log_events(shape.id, [final_event(response, logged + 1)])
+
+        async def fail(message: str) -> None:
+            await end_log(await store.settle(shape.failed(message)) or shape.failed(message))
 
         try:
             if streamed:
@@ -1288,10 +1298,8 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                     async for group, final in groups:
                         await store.log_events(shape.id, group, create=logged < 0)
                         logged, ended = group[-1]["sequence_number"], final
-                if stopped is not None and not ended:  # the log ends as the response stands
-                    await store.log_events(shape.id, [{
-                        "type": f"response.{stopped['status']}", "sequence_number": logged + 1,
-                        "response": stopped}])
+                if stopped is not None:  # the log ends as the response stands
+                    await end_log(stopped)
             else:
                 text, last, logprobs = "", None, []
                 async with contextlib.aclosing(started(gw.run(p))) as pieces:

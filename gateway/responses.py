@@ -809,9 +809,7 @@ class ResponseStore:
                 continue
             if await self.redis.xread({key: last}, count=1):
                 continue  # its last events came before it went: stream those first
-            response = await self.current(record, cancel)
-            end = {"type": f"response.{response['status']}",
-                   "sequence_number": _next_sequence(top), "response": response}
+            end = final_event(await self.current(record, cancel), _next_sequence(top))
             try:
                 await self.log_events(response_id, [end])
             except redis.ResponseError:
@@ -824,6 +822,13 @@ class ResponseStore:
         removed = await self.redis.delete(self.keys.response(response_id))
         await self.redis.delete(self.keys.response_events(response_id))
         return bool(removed)
+
+
+def final_event(response: dict[str, Any], sequence_number: int) -> dict[str, Any]:
+    """The stream event that ends a response as it stands (`response.completed`,
+    `.incomplete`, `.failed` or `.cancelled`), for a log that ended without its own."""
+    return {"type": f"response.{response['status']}", "sequence_number": sequence_number,
+            "response": response}
 
 
 def _error_event(code: str, message: str, sequence_number: int) -> dict[str, Any]:
