@@ -466,9 +466,9 @@ def test_a_streamed_background_response_runs_on_without_its_client(client, oracl
                                           starting_after=len(events) + 5)) == []
 
 
-def test_a_streamed_background_response_ends_cancelled(client):
-    """A cancel, from any client, ends the stream of a background response with
-    `response.cancelled` and the output it had."""
+def _stream_long_reply(client, act) -> list:
+    """The events of `LONG_REPLY` streamed in the background, `act(response id)` done after
+    its second text delta."""
     events = []
     with client.responses.create(model=MODEL, background=True, stream=True,
                                  **LONG_REPLY) as stream:
@@ -476,7 +476,14 @@ def test_a_streamed_background_response_ends_cancelled(client):
             events.append(event)
             if event.type == "response.output_text.delta" and sum(
                     e.type == "response.output_text.delta" for e in events) == 2:
-                client.responses.cancel(events[0].response.id)
+                act(events[0].response.id)
+    return events
+
+
+def test_a_streamed_background_response_ends_cancelled(client):
+    """A cancel, from any client, ends the stream of a background response with
+    `response.cancelled` and the output it had."""
+    events = _stream_long_reply(client, lambda rid: client.responses.cancel(rid))
     # The SDK has no class of its own for this event (it is also the webhook's name for a
     # cancel), so its fields are read as sent.
     assert events[-1].type == "response.cancelled", events[-1]
@@ -494,14 +501,7 @@ def test_deleting_a_running_background_response_cancels_it(fleet, client):
     import openai
 
     before = _scheduler_cancels(fleet)
-    events = []
-    with client.responses.create(model=MODEL, background=True, stream=True,
-                                 **LONG_REPLY) as stream:
-        for event in stream:
-            events.append(event)
-            if event.type == "response.output_text.delta" and sum(
-                    e.type == "response.output_text.delta" for e in events) == 2:
-                client.responses.delete(events[0].response.id)
+    events = _stream_long_reply(client, lambda rid: client.responses.delete(rid))
     assert events[-1].type == "error" and events[-1].code == "not_found", events[-1]
     rid = events[0].response.id
     _until(lambda: _scheduler_cancels(fleet) > before, what="its request being cancelled")
