@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal
@@ -49,7 +49,6 @@ from gateway.responses import (
     ResponseShape,
     ResponsesRequest,
     ResponseStore,
-    final_event,
     truncated,
 )
 from gateway.responses import refusals as responses_refusals
@@ -85,8 +84,12 @@ from shoal.messages import (
 from shoal.process import freeze_heap
 
 log = logging.getLogger("shoal.gateway")
-# How long a stopping gateway waits for its background responses to be stored as failed, seconds.
+# How long a stopping gateway waits for its background responses to be stored as failed, and
+# for the cancels of their requests, seconds.
 STOP_RESPONSES_TIMEOUT_S = 5.0
+# How long a cancelled background response's task has to store itself failed before the
+# gateway does it for the task, seconds.
+STOP_RESPONSES_GRACE_S = 1.0
 
 # Each request's commands take a connection of the pool, which grows to the requests in flight:
 # a burst of 64 opened 64. Recent redis-py (8.1 here) looks its own version up in the package
@@ -187,7 +190,8 @@ class Gateway(RequestPreparation):
         self.redis: aioredis.Redis | None = None
         self._listener: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
-        self._responding: set[asyncio.Task] = set()  # background responses being run
+        # Background responses being run, each with what stores it failed if the gateway stops.
+        self._responding: dict[asyncio.Task, Callable[[], Awaitable[None]]] = {}
         self.max_overflow_windows = 8  # GatewaySettings.max_overflow_windows, set by create_app
         self.tool_call_parser: str | None = None  # GatewaySettings.tool_call_parser, likewise
         self.tracer = None  # spans of requests (shoal/tracing.py), set by create_app
@@ -213,11 +217,19 @@ class Gateway(RequestPreparation):
         return pubsub
 
     async def stop(self) -> None:
-        # Background responses end first, each stored as failed, while Redis is still there.
-        for task in self._responding:
+        # Background responses end first, each stored as failed, while Redis is still there:
+        # by its task, once cancelled, or by its `on_stop` where the task did not end (in 5 of
+        # 40 stops here, a streamed one's task went on waiting for tokens, its cancel lost
+        # somewhere under its async generators; not found).
+        running = dict(self._responding)
+        for task in running:
             task.cancel()
-        if self._responding:
-            await asyncio.wait(self._responding, timeout=STOP_RESPONSES_TIMEOUT_S)
+        if running:
+            await asyncio.wait(running, timeout=STOP_RESPONSES_GRACE_S)
+            for task, on_stop in running.items():
+                if not task.done():
+                    with contextlib.suppress(redis.RedisError):
+                        await on_stop()
         if self._background:  # their requests' cancels, on their way to the scheduler
             await asyncio.wait(self._background, timeout=STOP_RESPONSES_TIMEOUT_S)
         if self._listener:
@@ -378,12 +390,14 @@ class Gateway(RequestPreparation):
         pipe.ltrim(self.keys.wakeups, 0, 0)
         return pipe
 
-    def respond_in_background(self, run: Coroutine[Any, Any, None]) -> None:
+    def respond_in_background(self, run: Coroutine[Any, Any, None],
+                              on_stop: Callable[[], Awaitable[None]]) -> None:
         """Run a background response (`run`) on a task the gateway keeps until it ends, and
-        cancels when the gateway stops."""
+        cancels when the gateway stops; `on_stop()` stores the response failed (and cancels
+        its request) where the task has not ended within `STOP_RESPONSES_GRACE_S` of that."""
         task = asyncio.get_running_loop().create_task(run)
-        self._responding.add(task)
-        task.add_done_callback(self._responding.discard)
+        self._responding[task] = on_stop
+        task.add_done_callback(lambda t: self._responding.pop(t, None))
 
     def cancel_soon(self, request_id: str) -> None:
         """Tell the scheduler to drop a request, from a task of its own: when a client disconnects,
@@ -841,6 +855,10 @@ class _CountRequests(_ResponseStartHook):
             metrics.REQUESTS.labels(endpoint, str(state[0])).inc()
 
 
+# Why a background response failed when its gateway stopped.
+STOPPED = "the gateway stopped before the response finished"
+
+
 def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: str = "shoal",
                settings: GatewaySettings | None = None, tracer: Any = None) -> FastAPI:
     """The gateway's FastAPI application, serving `models` (None: the default model); with a
@@ -1219,7 +1237,8 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
             await store.save(queued, items, runner={"channel": gw.channel,
                                                     "request_id": p.request_id},
                              logged=req.stream)
-            gw.respond_in_background(run_in_background(p, shape, req.stream))
+            gw.respond_in_background(run_in_background(p, shape, req.stream),
+                                     lambda: stop_response(p, shape, req.stream))
             if req.stream:  # from the log, as a client that reconnects reads it
                 return TypedEventStream(store.replay(shape.id, None, gw.cancel_soon))
             return queued
@@ -1256,7 +1275,6 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         (`ResponseStore.log_events`). The gateway stopping, or Redis failing, stores it failed
         (and ends its log with `response.failed`)."""
         logged = -1  # the sequence number of the last event logged
-        ended = False  # the log holds a final event
         stopped: dict[str, Any] | None = None  # the stored object of a run stopped at its start
 
         async def started(run: AsyncIterator[tuple[str, TokenEvent]]):
@@ -1282,24 +1300,16 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                 if final["status"] == "cancelled" else TERMINAL
             await store.settle(final, unless)
 
-        async def end_log(response: dict[str, Any]) -> None:
-            """End the log of a streamed run that stopped short of its final event."""
-            if streamed and not ended:
-                await store.log_events(shape.id, [final_event(response, logged + 1)])
-
-        async def fail(message: str) -> None:
-            await end_log(await store.settle(shape.failed(message)) or shape.failed(message))
-
         try:
             if streamed:
                 groups = shape.events(started(gw.run(p)), lambda last: _usage([p], last), finish,
                                       queued=True)
                 async with contextlib.aclosing(groups):
-                    async for group, final in groups:
+                    async for group, _ in groups:
                         await store.log_events(shape.id, group, create=logged < 0)
-                        logged, ended = group[-1]["sequence_number"], final
+                        logged = group[-1]["sequence_number"]
                 if stopped is not None:  # the log ends as the response stands
-                    await end_log(stopped)
+                    await store.end_log(shape.id, stopped)
             else:
                 text, last, logprobs = "", None, []
                 async with contextlib.aclosing(started(gw.run(p))) as pieces:
@@ -1311,15 +1321,30 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                     await finish(shape.body(text, last, _usage([p], last), logprobs=logprobs))
         except asyncio.CancelledError:
             with contextlib.suppress(redis.RedisError):
-                await fail("the gateway stopped before the response finished")
+                await fail_response(shape, streamed, STOPPED)
             raise
         except redis.RedisError as e:
             log.warning("background response %s lost Redis: %s", shape.id, e)
             try:
-                await fail(f"the gateway lost Redis while running the response: {e}")
+                await fail_response(shape, streamed, "the gateway lost Redis while running the "
+                                    f"response: {e}")
             except redis.RedisError:
                 log.warning("background response %s not stored: Redis failed", shape.id,
                             exc_info=True)
+
+    async def fail_response(shape: ResponseShape, streamed: bool, message: str) -> None:
+        """Store a background response failed for the gateway's sake (`message`), unless it
+        has ended, and end its log (`streamed`) as it stands."""
+        failed = shape.failed(message)
+        stored = await store.settle(failed) or failed
+        if streamed:
+            await store.end_log(shape.id, stored)
+
+    async def stop_response(p: Prepared, shape: ResponseShape, streamed: bool) -> None:
+        """What the stopping gateway does for a background response whose task did not end
+        when cancelled: cancels its request and stores it failed."""
+        gw.cancel_soon(p.request_id)
+        await fail_response(shape, streamed, STOPPED)
 
     @app.get("/v1/responses/{response_id}", responses={
         **error_responses(400, 401, 404),

@@ -809,13 +809,21 @@ class ResponseStore:
                 continue
             if await self.redis.xread({key: last}, count=1):
                 continue  # its last events came before it went: stream those first
-            end = final_event(await self.current(record, cancel), _next_sequence(top))
-            try:
-                await self.log_events(response_id, [end])
-            except redis.ResponseError:
-                continue  # another reader ended the log first: stream its end
-            yield [end], True
+            response = await self.current(record, cancel)
+            if not top:  # it went before it logged anything
+                yield [final_event(response, 0)], True
+                return
+            await self.end_log(response_id, response)  # then read that end (or another's)
+
+    async def end_log(self, response_id: str, response: dict[str, Any]) -> None:
+        """End a streamed background response's log with the final event of `response` (its
+        object as it ended), unless the log has ended already or does not exist (the response
+        was not streamed, or was deleted)."""
+        top = await self.redis.xrevrange(self.keys.response_events(response_id), count=1)
+        if not top or json.loads(top[0][1][b"event"])["type"] in FINAL_EVENTS:
             return
+        with contextlib.suppress(redis.ResponseError):  # another writer ended it first
+            await self.log_events(response_id, [final_event(response, _next_sequence(top))])
 
     async def delete(self, response_id: str) -> bool:
         """Delete a stored response and its events; whether it was stored."""
