@@ -219,8 +219,8 @@ class Gateway(RequestPreparation):
     async def stop(self) -> None:
         # Background responses end first, each stored as failed, while Redis is still there:
         # by its task, once cancelled, or by its `on_stop` where the task did not end (in 5 of
-        # 40 stops here, a streamed one's task went on waiting for tokens, its cancel lost
-        # somewhere under its async generators; not found).
+        # 40 stops here, a streamed one's task went on waiting for tokens: its cancel never
+        # reached its awaits, lost below this code; docs/benchmarks.md, session 40).
         running = dict(self._responding)
         for task in running:
             task.cancel()
