@@ -218,9 +218,9 @@ class Gateway(RequestPreparation):
 
     async def stop(self) -> None:
         # Background responses end first, each stored as failed, while Redis is still there:
-        # by its task, once cancelled, or by its `on_stop` where the task did not end (in 5 of
-        # 40 stops here, a streamed one's task went on waiting for tokens: its cancel never
-        # reached its awaits, lost below this code; docs/benchmarks.md, session 40).
+        # by its task, once cancelled, or by its `on_stop` where the task did not end (redis-py
+        # 8's asyncio client swallows a cancel that lands in a command: 5 of 40 stops left a
+        # task waiting for tokens; docs/benchmarks.md, session 40).
         running = dict(self._responding)
         for task in running:
             task.cancel()
