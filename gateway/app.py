@@ -92,7 +92,7 @@ STOP_RESPONSES_TIMEOUT_S = 5.0
 STOP_RESPONSES_GRACE_S = 1.0
 
 # Each request's commands take a connection of the pool, which grows to the requests in flight:
-# a burst of 64 opened 64. Recent redis-py (8.1 here) looks its own version up in the package
+# a burst of 64 opened 64. Recent redis-py (7.x and 8.x) looks its own version up in the package
 # metadata for every new connection of a pool made by `from_url` (importlib.metadata, 5 ms of
 # CPU each: 0.33 CPU-seconds in a gateway's first W64 run, on cores the worker needs); one
 # lookup serves them all.
