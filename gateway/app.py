@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal
@@ -87,9 +87,6 @@ log = logging.getLogger("shoal.gateway")
 # How long a stopping gateway waits for its background responses to be stored as failed, and
 # for the cancels of their requests, seconds.
 STOP_RESPONSES_TIMEOUT_S = 5.0
-# How long a cancelled background response's task has to store itself failed before the
-# gateway does it for the task, seconds.
-STOP_RESPONSES_GRACE_S = 1.0
 
 # Each request's commands take a connection of the pool, which grows to the requests in flight:
 # a burst of 64 opened 64. Recent redis-py (7.x and 8.x) looks its own version up in the package
@@ -190,8 +187,7 @@ class Gateway(RequestPreparation):
         self.redis: aioredis.Redis | None = None
         self._listener: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
-        # Background responses being run, each with what stores it failed if the gateway stops.
-        self._responding: dict[asyncio.Task, Callable[[], Awaitable[None]]] = {}
+        self._responding: set[asyncio.Task] = set()  # background responses being run
         self.max_overflow_windows = 8  # GatewaySettings.max_overflow_windows, set by create_app
         self.tool_call_parser: str | None = None  # GatewaySettings.tool_call_parser, likewise
         self.tracer = None  # spans of requests (shoal/tracing.py), set by create_app
@@ -217,19 +213,13 @@ class Gateway(RequestPreparation):
         return pubsub
 
     async def stop(self) -> None:
-        # Background responses end first, each stored as failed, while Redis is still there:
-        # by its task, once cancelled, or by its `on_stop` where the task did not end (redis-py
-        # 8's asyncio client swallows a cancel that lands in a command: 5 of 40 stops left a
-        # task waiting for tokens; docs/benchmarks.md, session 40).
-        running = dict(self._responding)
-        for task in running:
+        # Background responses end first, each stored as failed by its task once cancelled,
+        # while Redis is still there. (This relies on redis-py passing a cancel on: its 8.x
+        # asyncio client swallows one that lands in a command, hence pyproject's `redis<8`.)
+        for task in self._responding:
             task.cancel()
-        if running:
-            await asyncio.wait(running, timeout=STOP_RESPONSES_GRACE_S)
-            for task, on_stop in running.items():
-                if not task.done():
-                    with contextlib.suppress(redis.RedisError):
-                        await on_stop()
+        if self._responding:
+            await asyncio.wait(self._responding, timeout=STOP_RESPONSES_TIMEOUT_S)
         if self._background:  # their requests' cancels, on their way to the scheduler
             await asyncio.wait(self._background, timeout=STOP_RESPONSES_TIMEOUT_S)
         if self._listener:
@@ -390,14 +380,12 @@ class Gateway(RequestPreparation):
         pipe.ltrim(self.keys.wakeups, 0, 0)
         return pipe
 
-    def respond_in_background(self, run: Coroutine[Any, Any, None],
-                              on_stop: Callable[[], Awaitable[None]]) -> None:
+    def respond_in_background(self, run: Coroutine[Any, Any, None]) -> None:
         """Run a background response (`run`) on a task the gateway keeps until it ends, and
-        cancels when the gateway stops; `on_stop()` stores the response failed (and cancels
-        its request) where the task has not ended within `STOP_RESPONSES_GRACE_S` of that."""
+        cancels when the gateway stops."""
         task = asyncio.get_running_loop().create_task(run)
-        self._responding[task] = on_stop
-        task.add_done_callback(lambda t: self._responding.pop(t, None))
+        self._responding.add(task)
+        task.add_done_callback(self._responding.discard)
 
     def cancel_soon(self, request_id: str) -> None:
         """Tell the scheduler to drop a request, from a task of its own: when a client disconnects,
@@ -855,10 +843,6 @@ class _CountRequests(_ResponseStartHook):
             metrics.REQUESTS.labels(endpoint, str(state[0])).inc()
 
 
-# Why a background response failed when its gateway stopped.
-STOPPED = "the gateway stopped before the response finished"
-
-
 def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: str = "shoal",
                settings: GatewaySettings | None = None, tracer: Any = None) -> FastAPI:
     """The gateway's FastAPI application, serving `models` (None: the default model); with a
@@ -1237,8 +1221,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
             await store.save(queued, items, runner={"channel": gw.channel,
                                                     "request_id": p.request_id},
                              logged=req.stream)
-            gw.respond_in_background(run_in_background(p, shape, req.stream),
-                                     lambda: stop_response(p, shape, req.stream))
+            gw.respond_in_background(run_in_background(p, shape, req.stream))
             if req.stream:  # from the log, as a client that reconnects reads it
                 return TypedEventStream(store.replay(shape.id, None, gw.cancel_soon))
             return queued
@@ -1321,7 +1304,8 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                     await finish(shape.body(text, last, _usage([p], last), logprobs=logprobs))
         except asyncio.CancelledError:
             with contextlib.suppress(redis.RedisError):
-                await fail_response(shape, streamed, STOPPED)
+                await fail_response(shape, streamed, "the gateway stopped before the response "
+                                    "finished")
             raise
         except redis.RedisError as e:
             log.warning("background response %s lost Redis: %s", shape.id, e)
@@ -1339,12 +1323,6 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         stored = await store.settle(failed) or failed
         if streamed:
             await store.end_log(shape.id, stored)
-
-    async def stop_response(p: Prepared, shape: ResponseShape, streamed: bool) -> None:
-        """What the stopping gateway does for a background response whose task did not end
-        when cancelled: cancels its request and stores it failed."""
-        gw.cancel_soon(p.request_id)
-        await fail_response(shape, streamed, STOPPED)
 
     @app.get("/v1/responses/{response_id}", responses={
         **error_responses(400, 401, 404),

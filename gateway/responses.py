@@ -797,7 +797,7 @@ class ResponseStore:
                     return
                 continue
             top = await self.redis.xrevrange(key, count=1)
-            if top and json.loads(top[0][1][b"event"])["type"] in FINAL_EVENTS:
+            if _ended(top):
                 yield [], True  # it ended at or before `after`
                 return
             try:
@@ -820,7 +820,7 @@ class ResponseStore:
         object as it ended), unless the log has ended already or does not exist (the response
         was not streamed, or was deleted)."""
         top = await self.redis.xrevrange(self.keys.response_events(response_id), count=1)
-        if not top or json.loads(top[0][1][b"event"])["type"] in FINAL_EVENTS:
+        if not top or _ended(top):
             return
         with contextlib.suppress(redis.ResponseError):  # another writer ended it first
             await self.log_events(response_id, [final_event(response, _next_sequence(top))])
@@ -843,6 +843,11 @@ def _error_event(code: str, message: str, sequence_number: int) -> dict[str, Any
     """The stream event of an error that ends a stream (OpenAI's `error` event)."""
     return {"type": "error", "code": code, "message": message, "param": None,
             "sequence_number": sequence_number}
+
+
+def _ended(top: list[Any]) -> bool:
+    """Whether a log's last entry (`XREVRANGE key + - COUNT 1`'s reply) is a final event."""
+    return bool(top) and json.loads(top[0][1][b"event"])["type"] in FINAL_EVENTS
 
 
 def _next_sequence(top: list[Any]) -> int:
