@@ -10,9 +10,8 @@ chat API's, `stop_sequences` its stop strings; the reply becomes a message of `t
   `continue_final_message`) and holds only what the model added.
 - Tool use is made as chat makes it (gateway/tools.py): `{"type": "tool"}` and `"any"` constrain
   the reply; `"auto"` (the default with tools) needs the gateway's tool-call parser. Streamed,
-  the input of a call `"tool"` or `"any"` forces comes piece by piece as it is generated; with
-  `"auto"` the text streams until a call begins and the calls come whole once the reply is
-  complete.
+  each call's input comes piece by piece as it is generated; with `"auto"` the text before
+  the calls streams first.
 - `usage` counts as Anthropic does: `input_tokens` are the prompt tokens computed, and
   `cache_read_input_tokens` those found in the prefix cache (their sum is the prompt).
 - Errors on these paths have Anthropic's body, `{"type": "error", "error": {"type",
@@ -377,10 +376,10 @@ class MessageShape:
     @staticmethod
     def stop_reason(last: TokenEvent, stop_sequence: str | None,
                     content: list[dict[str, Any]]) -> str:
+        if last.finish_reason == "length":  # a call cut short too
+            return "max_tokens"
         if any(b["type"] == "tool_use" for b in content):
             return "tool_use"
-        if last.finish_reason == "length":
-            return "max_tokens"
         return "stop_sequence" if stop_sequence is not None else "end_turn"
 
     def usage(self, counts: dict[str, Any] | None) -> dict[str, int]:
@@ -412,11 +411,12 @@ class MessageShape:
         `gateway.app.Gateway.run`'s (text, event) pairs; `count(last_event)` gives the usage.
         In order: message_start; then a block that streams as the reply comes (its start, a
         delta per piece, its stop): the text, or the call a `tool` tool_choice forces, its
-        input as JSON text piece by piece. With `auto`, the text streams until a call begins
-        (`ToolCalls.delta` holds back what could begin one), and the calls follow whole once
-        the reply is complete; with `any`, each call's block starts once its name is written,
-        its input streams, and it stops when the input closes (a reply cut short before any
-        call began comes whole at the end, as a text block).
+        input as JSON text piece by piece. With `any` and `auto`, each call's block starts once
+        its name is written, its input streams, and it stops when the input closes; with
+        `auto`, the text before the calls streams first in a text block, stopped when the
+        first call's starts (`ToolCalls.feed` holds back what could begin one). What cannot be
+        read as it comes follows whole at the end: an `any` reply cut short before any call
+        began, as a text block; `auto` calls in a form that is not JSON (pythonic).
         Then message_delta (stop reason, output tokens) and message_stop. A failure ends the
         stream with an `error` event."""
         group: list[dict[str, Any]] = [{"type": "message_start",
@@ -435,10 +435,13 @@ class MessageShape:
         def streamed(piece: str) -> list[dict[str, Any]]:
             return [{"type": "content_block_delta", "index": 0,
                      "delta": {"type": field[0], field[1]: piece}}] if piece else []
-        auto = self.tools is not None and self.tools.mode == "auto"
-        required = self.tools is not None and self.tools.mode == "required"
-        still_open: set[int] = set()  # with required: the calls' blocks not yet stopped
+        # "any" and "auto" replies are read as they come (`ToolCalls.feed`): "auto" text before
+        # the calls streams in a text block, stopped when the first call's block starts; each
+        # call's block starts once its name is written and stops when its input closes.
+        reading = self.tools is not None and self.tools.mode in ("required", "auto")
+        still_open: set[int] = set()  # the calls' blocks not yet stopped
         sent = ""  # with auto: the text streamed so far, in a text block opened by its start
+        first = 0  # the block index of call 0: 1 after a streamed text block
         text = ""
         async with contextlib.aclosing(run) as stream:  # leaving early cancels the request
             async for piece, ev in stream:
@@ -446,37 +449,44 @@ class MessageShape:
                     status = ev.error_status or 503
                     yield [*group, error_body(status, ev.error or "generation failed")], True
                     return
-                for kind, k, value in self.tools.feed(0, piece) if required else ():
-                    if kind == "open":
-                        still_open.add(k)
-                        group.append({"type": "content_block_start", "index": k,
-                                      "content_block": self.tool_use(k, value, {})})
-                    elif kind == "arguments":
-                        group.append({"type": "content_block_delta", "index": k, "delta": {
-                            "type": "input_json_delta", "partial_json": value}})
-                    else:
-                        still_open.discard(k)
-                        group.append({"type": "content_block_stop", "index": k})
-                if ev.finish_reason is None:
-                    text += piece
-                    if block is not None:
-                        group += streamed(piece)
-                    elif auto and (d := self.tools.delta(0, piece, text, False)):
+                last = ev.finish_reason is not None
+                # The new text: the last piece without the stop sequence that ended it.
+                fresh = self.split(text + piece, ev)[0][len(text):] if last else piece
+                for kind, k, value in self.tools.feed(0, fresh) if reading else ():
+                    if kind == "content":
                         if not sent:
                             group.append({"type": "content_block_start", "index": 0,
                                           "content_block": {"type": "text", "text": ""}})
-                        sent += d["content"]
-                        group.append(_delta(0, {"type": "text", "text": d["content"]}))
+                        sent += value
+                        group.append(_delta(0, {"type": "text", "text": value}))
+                    elif kind == "open":
+                        if sent and not first:  # the text ends where the calls begin
+                            first = 1
+                            group.append({"type": "content_block_stop", "index": 0})
+                        still_open.add(k)
+                        group.append({"type": "content_block_start", "index": k + first,
+                                      "content_block": self.tool_use(k, value, {})})
+                    elif kind == "arguments":
+                        group.append({"type": "content_block_delta", "index": k + first,
+                                      "delta": {"type": "input_json_delta",
+                                                "partial_json": value}})
+                    else:
+                        still_open.discard(k)
+                        group.append({"type": "content_block_stop", "index": k + first})
+                if not last:
+                    text += piece
+                    if block is not None:
+                        group += streamed(piece)
                     if group:
                         yield group, False
                         group = []
                     continue
                 done = self.body(text + piece, ev, count(ev))
-                if block is not None:  # the last piece, without the stop sequence
-                    group += streamed(self.split(text + piece, ev)[0][len(text):])
+                if block is not None:
+                    group += streamed(fresh)
                     group.append({"type": "content_block_stop", "index": 0})
-                elif required and self.tools.called(0):  # cut short: the open calls end
-                    group += [{"type": "content_block_stop", "index": k}
+                elif self.tools.streamed(0):  # the calls still open (cut short) end
+                    group += [{"type": "content_block_stop", "index": k + first}
                               for k in sorted(still_open)]
                 else:
                     content = done["content"]

@@ -59,7 +59,7 @@ from gateway.schemas import (
     ToolCall,
     refusals_named,
 )
-from gateway.tools import CallArrayReader, ToolCalls
+from gateway.tools import ToolCalls
 from shoal.keys import Keys
 from shoal.messages import TokenEvent
 from shoal.sampling_params import MAX_TOP_LOGPROBS
@@ -407,19 +407,18 @@ class ResponseShape:
     def output(self, text: str, status: str, logprobs: list[dict[str, Any]] = ()
                ) -> list[dict[str, Any]]:
         """The output items of a finished reply: its function calls (each an item, after the
-        message the model wrote before them, if any), or the assistant's message. A "required"
-        reply cut short is the calls it had begun (the last "incomplete", its arguments as far
-        as they came), or the message when it began none; other calls cut short are the
+        message the model wrote before them, if any), or the assistant's message. The calls a
+        stream opened, or that an unstreamed "required" reply cut short began, are items as
+        far as they came (one cut short "incomplete"); other calls cut short are the
         message."""
         calls, content = self.tools.message(0, text) if self.tools else (None, text)
-        if not calls and self.tools is not None and self.tools.mode == "required":
-            reader = CallArrayReader()
-            reader.feed(text)
-            begun = [self.call_item(k, c.name, reader.arguments(k),
-                                    "incomplete" if c.end is None else "completed")
-                     for k, c in enumerate(reader.calls) if c.name is not None]
+        if self.tools is not None and (self.tools.streamed(0) or
+                                       not calls and self.tools.mode == "required"):
+            begun = self.tools.begun(0, None if self.tools.streamed(0) else text)
             if begun:
-                return begun
+                return ([self.message(content, "completed")] if content else []) + [
+                    self.call_item(k, name, arguments, "completed" if closed else "incomplete")
+                    for k, (name, arguments, closed) in enumerate(begun)]
         if not calls:
             return [self.message(content or "", status, logprobs)]
         return ([self.message(content, status)] if content else []) + [
@@ -450,11 +449,12 @@ class ResponseShape:
         first token); then the message's events as its text
         comes (item and part added, a delta per piece, text, part and item done), or the
         events of the call a named tool_choice forces as its arguments come (item added, a
-        delta per piece, arguments and item done). With "auto", the message's text streams
-        until a call begins (`ToolCalls.delta` holds back what could begin one), and the calls'
-        items follow whole once the reply is complete; with "required", each call's item opens
-        once its name is written, its arguments stream, and it is done when they close (a
-        reply cut short before any call began comes whole at the end, as a message). Then
+        delta per piece, arguments and item done). With "required" and "auto", each call's
+        item opens once its name is written, its arguments stream, and it is done when they
+        close; with "auto", the text before the calls streams first as the message, done when
+        the first call opens (`ToolCalls.feed` holds back what could begin one). What cannot
+        be read as it comes follows whole at the end: a "required" reply cut short before any
+        call began, as a message; "auto" calls in a form that is not JSON (pythonic). Then
         completed (or incomplete). A failure ends the stream with `response.failed`."""
         seq = itertools.count()
 
@@ -505,8 +505,8 @@ class ResponseShape:
             group = [event("response.created", response=opening),
                      event("response.in_progress", response=opening)]
         # What streams as one item from the start: the message, or the call a named tool_choice
-        # forces (its arguments piece by piece). "required" calls open as their names come
-        # (below); "auto" replies stream their text until a call begins, the calls whole.
+        # forces (its arguments piece by piece); "required" and "auto" replies' items open as
+        # their text comes (below).
         streamed = None
         if self.tools is None:
             streamed = self.message("", "in_progress")
@@ -515,10 +515,13 @@ class ResponseShape:
                         "call_id": self.tools.call_id(0), "name": self.tools.name}
         if streamed is not None:
             group += opened(0, streamed)
-        auto = self.tools is not None and self.tools.mode == "auto"
-        required = self.tools is not None and self.tools.mode == "required"
-        names: dict[int, str] = {}  # with required: the calls opened, by index
+        # "required" and "auto" replies are read as they come (`ToolCalls.feed`): "auto" text
+        # before the calls streams as the message, each call's item opens once its name is
+        # written and is done when its arguments close.
+        reading = self.tools is not None and self.tools.mode in ("required", "auto")
+        names: dict[int, str] = {}  # the calls opened and not yet done, by index
         sent = ""  # with auto: the text streamed so far, in the message opened by its start
+        first = 0  # the output index of call 0: 1 after a streamed message
         text = ""
         logprobs: list[dict[str, Any]] = []  # the message's tokens', when asked for
         pending: list[dict[str, Any]] = []  # those not sent yet (text the detokenizer held)
@@ -540,25 +543,36 @@ class ResponseShape:
                     await done(failed)
                     yield [*group, event("response.failed", response=failed)], True
                     return
-                for kind, k, value in self.tools.feed(0, piece) if required else ():
-                    if kind == "open":
+                for kind, k, value in self.tools.feed(0, piece) if reading else ():
+                    if kind == "content":
+                        if not sent:
+                            group += opened(0, self.message("", "in_progress"))
+                        sent += value
+                        group.append(event("response.output_text.delta", item_id=self.item_id,
+                                           output_index=0, content_index=0, delta=value,
+                                           logprobs=[]))
+                    elif kind == "open":
+                        if sent and not first:  # the message ends where the calls begin
+                            first = 1
+                            group += closed(0, self.message(sent, "completed"), None)
                         names[k] = value
-                        group += opened(k, self.call_item(k, value, "", "in_progress"))
+                        group += opened(k + first, self.call_item(k, value, "", "in_progress"))
                     elif kind == "arguments":
                         group.append(event("response.function_call_arguments.delta",
-                                           item_id=self.call_item_id(k), output_index=k,
+                                           item_id=self.call_item_id(k), output_index=k + first,
                                            delta=value))
                     else:
-                        group += closed(k, self.call_item(k, names.pop(k), self.tools.arguments(
-                            0, k), "completed"), None)
+                        item = self.call_item(k, names.pop(k), self.tools.arguments(0, k),
+                                              "completed")
+                        group += closed(k + first, item, None)
                 if ev.finish_reason is not None:
                     final = self.body(text, ev, usage(ev), logprobs=logprobs)
                     await done(final)
                     if streamed is not None:
                         group += closed(0, final["output"][0], piece)
-                    elif required and self.tools.called(0):
+                    elif self.tools.streamed(0):
                         for k in names:  # cut short: the calls still open end incomplete
-                            group += closed(k, final["output"][k], None)
+                            group += closed(k + first, final["output"][k + first], None)
                     else:
                         if sent:  # the streamed message: the rest of its text, and its end
                             message = final["output"][0]
@@ -570,13 +584,6 @@ class ResponseShape:
                             group += [*opened(k, item), *closed(k, item, whole)]
                     yield [*group, event(f"response.{final['status']}", response=final)], True
                     return
-                if auto and (d := self.tools.delta(0, piece, text, False)):
-                    if not sent:
-                        group += opened(0, self.message("", "in_progress"))
-                    sent += d["content"]
-                    group.append(event("response.output_text.delta", item_id=self.item_id,
-                                       output_index=0, content_index=0, delta=d["content"],
-                                       logprobs=[]))
                 if piece and streamed is not None:
                     group.append(
                         event("response.output_text.delta", item_id=self.item_id,

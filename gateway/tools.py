@@ -64,11 +64,11 @@ def parse_hermes(text: str) -> tuple[list[tuple[str, str]] | None, str | None]:
     return calls, content if content.strip() else None
 
 
-def _held_back(text: str) -> int:
-    """How many characters at the end of `text` could begin `<tool_call>`: a stream holds them
-    back until the next piece tells."""
-    for n in range(min(len(text), len(_OPEN) - 1), 0, -1):
-        if _OPEN.startswith(text[-n:]):
+def _held_back(text: str, tag: str = _OPEN) -> int:
+    """How many characters at the end of `text` could begin `tag`: a stream holds them back
+    until the next piece tells."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 
@@ -76,6 +76,21 @@ def _held_back(text: str) -> int:
 def _hermes_content_end(text: str) -> int:
     start = text.find(_OPEN)
     return start if start >= 0 else len(text) - _held_back(text)
+
+
+def _hermes_spans(text: str) -> list[tuple[int, int, bool]]:
+    """Where the calls' text lies in a hermes reply still coming: each block's body, as
+    (start, end, whether the block has closed); an open block's end leaves out what could
+    begin `</tool_call>`."""
+    spans, at = [], 0
+    while (start := text.find(_OPEN, at)) >= 0:
+        start += len(_OPEN)
+        end = text.find(_CLOSE, start)
+        if end < 0:
+            return [*spans, (start, len(text) - _held_back(text, _CLOSE), False)]
+        spans.append((start, end, True))
+        at = end + len(_CLOSE)
+    return spans
 
 
 _PYTHON_TAG = "<|python_tag|>"
@@ -112,6 +127,13 @@ def _llama3_json_content_end(text: str) -> int:
             or _PYTHON_TAG.startswith(body):
         return 0  # a call, or what may still become one: held to the end
     return len(text)
+
+
+def _llama3_json_spans(text: str) -> list[tuple[int, int, bool]]:
+    body = text.lstrip()
+    if body.startswith(_PYTHON_TAG):
+        body = body[len(_PYTHON_TAG):].lstrip()
+    return [(len(text) - len(body), len(text), False)] if body.startswith("{") else []
 
 
 def parse_pythonic(text: str) -> tuple[list[tuple[str, str]] | None, str | None]:
@@ -151,81 +173,125 @@ class ToolCallParser:
             the content before them (None when blank); (None, reply) when it holds no call.
         content_end: how much of a reply still coming is surely content, in characters: up to
             where a call begins, less what could still begin one; a stream sends that much.
+        spans: where the JSON text of the calls lies in a reply still coming, as (start, end,
+            closed) spans that `CallReader` reads one after another, so that calls stream as
+            they are written; None for a form that is not JSON (its calls come whole at the
+            end).
     """
 
     parse: Callable[[str], tuple[list[tuple[str, str]] | None, str | None]]
     content_end: Callable[[str], int]
+    spans: Callable[[str], list[tuple[int, int, bool]]] | None = None
 
 
-PARSERS = {"hermes": ToolCallParser(parse_hermes, _hermes_content_end),
-           "llama3_json": ToolCallParser(parse_llama3_json, _llama3_json_content_end),
+PARSERS = {"hermes": ToolCallParser(parse_hermes, _hermes_content_end, _hermes_spans),
+           "llama3_json": ToolCallParser(parse_llama3_json, _llama3_json_content_end,
+                                         _llama3_json_spans),
            "pythonic": ToolCallParser(parse_pythonic, _pythonic_content_end)}
 TOOL_CALL_PARSERS = tuple(PARSERS)
 
 
 @dataclass
 class _Call:
-    """One call of a "required" reply as its text comes (`CallArrayReader`)."""
+    """One call of a reply as its text comes (`CallReader`)."""
 
     name: str | None = None
-    start: int | None = None  # where its parameters' value begins in the reply
-    end: int | None = None  # where it ends, once it has
+    start: int | None = None  # where its arguments' value begins in the text read
+    end: int | None = None  # where that value ends, once it has
+    done: bool = False  # its object has closed (or its block has ended)
+    index: int | None = None  # its place among the calls handed on, once its name has been
     sent: int = 0  # characters of its arguments handed on
-    opened: bool = False  # its name handed on
     closed: bool = False  # its end handed on
 
 
-class CallArrayReader:
-    """Reads the JSON array a "required" tool_choice constrains a reply to, `[{"name": ...,
-    "parameters": {...}}, ...]`, as its text comes, so that each call streams as it is
-    generated: its name once that string closes, then its arguments piece by piece, the text of
-    its `parameters` value as the model wrote it (so the pieces add up to the call's final
-    `arguments`). A character scanner, not a partial-JSON parser: it has only to tell where each
-    element's two values lie, and the constraint has already made the text valid JSON so far.
-    The keys may come in either order; arguments wait for their call's name.
+_ARGUMENTS = ("arguments", "parameters")  # the keys a call's arguments may come under
+
+
+def _string(literal: str) -> str:
+    """A JSON string literal's value; one the model wrote wrong (a bad escape) as it stands."""
+    try:
+        return json.loads(literal, strict=False)
+    except ValueError:
+        return literal[1:-1]
+
+
+class CallReader:
+    """Reads tool calls written as JSON objects, `{"name": ..., "arguments": {...}}` (or
+    `"parameters"`), as their text comes, so that each call streams as it is generated: its
+    name once that string closes, then its arguments piece by piece, the text of their value
+    as the model wrote it (so the pieces add up to the call's final `arguments`). The objects
+    may stand one after another (Llama 3's calls, with `;` between them) or be the elements of
+    one array (what "required" constrains a reply to; the hermes list form). A character
+    scanner, not a partial-JSON parser: it has only to tell where each object's two values
+    lie. The keys may come in either order; arguments wait for their call's name, and
+    arguments written as a JSON string are handed on decoded, whole, once the string closes.
+    An object without a name is no call.
     """
 
     def __init__(self) -> None:
         self.text = ""
-        self.calls: list[_Call] = []
-        self._depth = 0  # brackets open outside strings: the array 1, an element 2
+        self.calls: list[_Call] = []  # every object read, named or not
+        self.opened: list[_Call] = []  # the calls handed on, by index
+        self._stack: list[str] = []  # the brackets open outside strings
+        self._level: int | None = None  # len(_stack) inside the current call's object
         self._string = self._escape = False
-        self._token: int | None = None  # where a key or a name string begins, at depth 2
-        self._key: str | None = None  # the element's key whose value comes or is read
+        self._token: int | None = None  # where a key or a name string begins
+        self._key: str | None = None  # the object's key whose value comes or is read
         self._colon = False  # the key's colon is past: its value is next or under way
 
     def feed(self, piece: str) -> list[tuple[str, int, str]]:
-        """Read `piece`, the reply's next text; returns what it completes, in order: ("open",
-        call index, name), ("arguments", call index, text), ("close", call index, "") when a
-        call's parameters end."""
+        """Read `piece`, the next text; returns what it completes, in order: ("open", call
+        index, name), ("arguments", call index, text), ("close", call index, "") when a
+        call's arguments end."""
         begin = len(self.text)
         self.text += piece
         for i in range(begin, len(self.text)):
             self._read(i, self.text[i])
-        events = []
-        for k, call in enumerate(self.calls):
-            if call.name is None:
-                continue
-            if not call.opened:
-                call.opened = True
-                events.append(("open", k, call.name))
-            if call.start is not None:
-                upto = call.end if call.end is not None else len(self.text)
-                if upto > call.start + call.sent:
-                    events.append(("arguments", k, self.text[call.start + call.sent:upto]))
-                    call.sent = upto - call.start
-                if call.end is not None and not call.closed:
-                    call.closed = True
-                    events.append(("close", k, ""))
-        return events
+        return self._events()
+
+    def end_block(self) -> list[tuple[str, int, str]]:
+        """The text read so far ends what was open (a hermes `</tool_call>`): the next text
+        starts afresh. Returns what that completes, as `feed`."""
+        for call in self.calls:
+            if call.start is not None and call.end is None:
+                call.end = len(self.text)
+            call.done = True
+        self._stack.clear()
+        self._level = self._token = self._key = None
+        self._string = self._escape = self._colon = False
+        return self._events()
 
     def arguments(self, k: int) -> str:
-        """Call `k`'s arguments as written so far (all of them once it has closed)."""
-        call = self.calls[k]
-        return "" if call.start is None else self.text[call.start:call.end]
+        """Call `k`'s arguments as written so far (all of them once it has closed; `{}` for
+        a call whose object closed without any)."""
+        call = self.opened[k]
+        if call.start is None:
+            return "{}" if call.done else ""
+        if self.text[call.start] == '"':  # a string: its value, once whole
+            return _string(self.text[call.start:call.end]) if call.end is not None else ""
+        return self.text[call.start:call.end]
+
+    def _events(self) -> list[tuple[str, int, str]]:
+        events = []
+        for call in self.calls:
+            if call.name is None or call.closed:
+                continue
+            if call.index is None:
+                call.index = len(self.opened)
+                self.opened.append(call)
+                events.append(("open", call.index, call.name))
+            arguments = self.arguments(call.index)
+            if len(arguments) > call.sent:
+                events.append(("arguments", call.index, arguments[call.sent:]))
+                call.sent = len(arguments)
+            if not call.closed and (call.end is not None or call.done):
+                call.closed = True
+                events.append(("close", call.index, ""))
+        return events
 
     def _read(self, i: int, ch: str) -> None:
-        call = self.calls[-1] if self.calls else None
+        call = self.calls[-1] if self._level is not None else None
+        at_keys = call is not None and len(self._stack) == self._level  # the object's level
         if self._string:
             if self._escape:
                 self._escape = False
@@ -233,38 +299,42 @@ class CallArrayReader:
                 self._escape = True
             elif ch == '"':
                 self._string = False
-                if self._token is not None:  # a key, or the name's value, at the element's level
-                    value = json.loads(self.text[self._token:i + 1])
+                if self._token is not None:  # a key, or the name's value
+                    value = _string(self.text[self._token:i + 1])
                     self._token = None
                     if self._key is None:
                         self._key, self._colon = value, False
-                    elif call is not None and self._key == "name":
+                    elif call is not None and call.name is None:
                         call.name = value
-                elif self._depth == 2 and self._key == "parameters" and call is not None:
-                    call.end = i + 1  # a string value (no schema here asks for one)
+                elif at_keys and self._key in _ARGUMENTS and call.end is None \
+                        and call.start is not None:
+                    call.end = i + 1  # the arguments were a string
             return
-        in_value = self._depth == 2 and self._colon
+        in_value = at_keys and self._colon
         if ch == '"':
             self._string = True
-            if self._depth == 2 and (self._key is None or in_value and self._key == "name"):
+            if at_keys and (self._key is None or in_value and self._key == "name"):
                 self._token = i
-            elif in_value and self._key == "parameters" and call is not None and call.start is None:
+            elif in_value and self._key in _ARGUMENTS and call.start is None:
                 call.start = i
         elif ch in "{[":
-            if self._depth == 1 and ch == "{":
+            if ch == "{" and call is None and self._stack in ([], ["["]):  # a call begins
                 self.calls.append(_Call())
-                self._key, self._colon = None, False
-            elif in_value and self._key == "parameters" and call is not None and call.start is None:
+                self._level, self._key, self._colon = len(self._stack) + 1, None, False
+            elif in_value and self._key in _ARGUMENTS and call.start is None:
                 call.start = i
-            self._depth += 1
+            self._stack.append(ch)
         elif ch in "}]":
-            self._depth -= 1
-            if self._depth == 2 and self._key == "parameters" and call is not None \
-                    and call.end is None:
-                call.end = i + 1
-        elif self._depth == 2 and ch == ":":
+            if self._stack:
+                self._stack.pop()
+            if call is not None and len(self._stack) < self._level:  # the call's object closed
+                call.done, self._level = True, None
+            elif call is not None and len(self._stack) == self._level \
+                    and self._key in _ARGUMENTS and call.start is not None and call.end is None:
+                call.end = i + 1  # the arguments' object or array closed
+        elif at_keys and ch == ":":
             self._colon = True
-        elif self._depth == 2 and ch == ",":
+        elif at_keys and ch == ",":
             self._key, self._colon = None, False
 
 
@@ -286,8 +356,7 @@ class ToolCalls:
     constraint: StructuredOutput | None
     parser: str | None = None
     _ids: dict[tuple[int, int], str] = field(default_factory=dict)  # (choice, call) -> id
-    _sent: dict[int, int] = field(default_factory=dict)  # choice -> characters of content sent
-    _readers: dict[int, CallArrayReader] = field(default_factory=dict)  # "required", streamed
+    _readers: dict[int, CallReader | ReplyReader] = field(default_factory=dict)  # streamed
     _called: set[int] = field(default_factory=set)  # choices whose stream has sent a call
 
     @classmethod
@@ -351,12 +420,23 @@ class ToolCalls:
         """Whether a choice's stream has sent a tool call."""
         return choice in self._called
 
+    def streamed(self, choice: int) -> bool:
+        """Whether a choice's stream opened calls as their text came (`feed`)."""
+        return choice in self._readers and bool(self._call_reader(choice).opened)
+
     def message(self, choice: int, text: str) -> tuple[list[dict[str, Any]] | None, str | None]:
         """A finished choice's `tool_calls` and its `content`: the calls (with "auto", and the
         text before them), or (None, text) when the text is no call (an answer, or a call cut
-        short by max_tokens)."""
+        short by max_tokens). A choice whose stream opened calls as they came has those, as
+        they were sent."""
         if self.mode == "named":
             return [self._call(self.call_id(choice), self.name, text)], None
+        if self.streamed(choice):
+            reader = self._readers[choice]
+            content = text[:reader.sent] if isinstance(reader, ReplyReader) and reader.sent \
+                else None
+            return [self._call(self.call_id(choice, k), name, arguments)
+                    for k, (name, arguments, _) in enumerate(self.begun(choice))], content
         if self.mode == "auto":
             calls, content = PARSERS[self.parser].parse(text)
             if calls is None:
@@ -364,14 +444,23 @@ class ToolCalls:
             return [self._call(self.call_id(choice, k), name, args)
                     for k, (name, args) in enumerate(calls)], content
         try:
-            calls = json.loads(text)
+            json.loads(text)
         except ValueError:
             return None, text
-        reader = CallArrayReader()  # each call's arguments as written, as they were streamed
-        reader.feed(text)
-        return [self._call(self.call_id(choice, k), c["name"], reader.arguments(k)
-                           or json.dumps(c["parameters"], ensure_ascii=False))
-                for k, c in enumerate(calls)], None
+        return [self._call(self.call_id(choice, k), name, arguments)
+                for k, (name, arguments, _) in enumerate(self.begun(choice, text))], None
+
+    def begun(self, choice: int, text: str | None = None) -> list[tuple[str, str, bool]]:
+        """The calls a reply began, as (name, arguments as written so far, whether they
+        closed): those its stream opened, or, given the whole `text` of an unstreamed
+        "required" reply, those it holds."""
+        if text is not None:
+            reader = CallReader()
+            reader.feed(text)
+        else:
+            reader = self._call_reader(choice)
+        return [(c.name, reader.arguments(k), c.end is not None or c.done)
+                for k, c in enumerate(reader.opened)]
 
     def finish_reason(self, reason: str | None, calls: list | bool | None) -> str | None:
         """OpenAI's: "tool_calls" when the model chose to call ("required", "auto"; `calls`:
@@ -388,14 +477,12 @@ class ToolCalls:
               ) -> dict[str, Any] | None:
         """A stream chunk's `delta` for new text `piece` of a choice (`text_so_far` includes
         it): a named call's arguments stream as they come (its id and name with the first
-        piece); so do "required" calls, each opening (index, id, name) once its name is
-        written and its arguments following piece by piece (`CallArrayReader`); a reply cut
-        short before any call opened comes as content when it finishes. With "auto", the text
-        streams as content until a `<tool_call>` begins (what could begin one is held back),
-        and the calls are sent whole when the choice finishes. None when there is nothing to
-        send yet."""
-        if self.mode == "auto":
-            return self._auto_delta(choice, text_so_far, finished)
+        piece); "required" and "auto" calls open (index, id, name) once their names are
+        written and their arguments follow piece by piece (`feed`), and "auto" text before
+        them streams as content. What `feed` cannot read as it comes is sent when the choice
+        finishes: a "required" reply cut short before any call opened, as content; an "auto"
+        reply's calls in a form that is not JSON (pythonic), whole, or its held-back text.
+        None when there is nothing to send yet."""
         if self.mode == "named":
             if not piece:
                 return None
@@ -403,47 +490,89 @@ class ToolCalls:
                 return {"tool_calls": [{"index": 0, **self._call(self.call_id(choice), self.name,
                                                                  piece)}]}
             return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}
+        out: dict[str, Any] = {}
         deltas: list[dict[str, Any]] = []
         for kind, k, value in self.feed(choice, piece):
-            if kind == "open":
+            if kind == "content":
+                out["content"] = value
+            elif kind == "open":
                 deltas.append({"index": k, **self._call(self.call_id(choice, k), value, "")})
             elif kind == "arguments":
                 if deltas and deltas[-1]["index"] == k:
                     deltas[-1]["function"]["arguments"] += value
                 else:
                     deltas.append({"index": k, "function": {"arguments": value}})
-        if deltas:
-            return {"tool_calls": deltas}
         if finished and not self.called(choice):
-            return {"content": text_so_far}  # no call: cut short before one opened
-        return None
+            if self.mode == "required":
+                return {"content": text_so_far}  # no call: cut short before one opened
+            calls, content = self.message(choice, text_so_far)
+            rest = (text_so_far if calls is None else content or "")[self._readers[choice].sent:]
+            if rest:
+                out["content"] = out.get("content", "") + rest
+            if calls:
+                self._called.add(choice)
+                deltas = [{"index": k, **c} for k, c in enumerate(calls)]
+        if deltas:
+            out["tool_calls"] = deltas
+        return out or None
 
     def feed(self, choice: int, piece: str) -> list[tuple[str, int, str]]:
-        """A "required" reply's next text `piece`, read by its choice's `CallArrayReader`:
-        what it completes (calls opened, arguments, calls closed), as `CallArrayReader.feed`."""
-        reader = self._readers.setdefault(choice, CallArrayReader())
+        """A streamed reply's next text `piece`, read by its choice's reader (a `CallReader`
+        for "required", a `ReplyReader` for "auto"): what it completes, in order, as
+        `ReplyReader.feed` gives it."""
+        reader = self._readers.get(choice)
+        if reader is None:
+            reader = self._readers[choice] = CallReader() if self.mode == "required" \
+                else ReplyReader(PARSERS[self.parser])
         events = reader.feed(piece)
-        if reader.calls and reader.calls[0].opened:
+        if any(kind == "open" for kind, _, _ in events):
             self._called.add(choice)
         return events
 
     def arguments(self, choice: int, k: int) -> str:
-        """Call `k`'s arguments in a streamed "required" reply, as far as they came."""
-        return self._readers[choice].arguments(k)
+        """Call `k`'s arguments in a streamed reply, as far as they came."""
+        return self._call_reader(choice).arguments(k)
 
-    def _auto_delta(self, choice: int, text: str, finished: bool) -> dict[str, Any] | None:
-        sent = self._sent.get(choice, 0)
-        if finished:
-            calls, content = self.message(choice, text)
-            if calls is None:
-                return {"content": text[sent:]} if len(text) > sent else None
-            out: dict[str, Any] = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
-            self._called.add(choice)
-            if content is not None and len(content) > sent:  # the text before the calls
-                out["content"] = content[sent:]
-            return out
-        cut = PARSERS[self.parser].content_end(text)
-        if cut <= sent or not text[:cut].strip():  # blank text before a call is no content
-            return None
-        self._sent[choice] = cut
-        return {"content": text[sent:cut]}
+    def _call_reader(self, choice: int) -> CallReader:
+        reader = self._readers[choice]
+        return reader.calls if isinstance(reader, ReplyReader) else reader
+
+
+class ReplyReader:
+    """Reads one streamed "auto" reply as its text comes: the text that is surely content (the
+    parser's `content_end`) and the calls in it, read by a `CallReader` over the parser's
+    `spans`, so that each call streams as it is written, as vLLM's streaming tool parsers do.
+
+    Args:
+        parser: the reply's form.
+    """
+
+    def __init__(self, parser: ToolCallParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self.sent = 0  # characters of content handed on
+        self.calls = CallReader()
+        self._read: list[int] = []  # how far each span has been read
+        self._ended = 0  # spans whose end has been read
+
+    def feed(self, piece: str) -> list[tuple[str, int, str]]:
+        """Read `piece`, the reply's next text; returns what it completes, in order:
+        ("content", 0, text) for text that is surely content, then `CallReader.feed`'s
+        events."""
+        self.text += piece
+        events = []
+        cut = self.parser.content_end(self.text)
+        if cut > self.sent and self.text[:cut].strip():  # blank text before a call is none
+            events.append(("content", 0, self.text[self.sent:cut]))
+            self.sent = cut
+        for i, (start, end, closed) in enumerate(self.parser.spans(self.text)
+                                                 if self.parser.spans else ()):
+            if i == len(self._read):
+                self._read.append(start)
+            if end > self._read[i]:
+                events += self.calls.feed(self.text[self._read[i]:end])
+                self._read[i] = end
+            if closed and i == self._ended:
+                events += self.calls.end_block()
+                self._ended += 1
+        return events

@@ -161,7 +161,7 @@ def test_the_openai_sdk_parses_pydantic_replies_and_tool_calls(fleet):
     assert isinstance(call.function.parsed_arguments, GetWeather)
 
 
-@pytest.mark.parametrize(("text", "calls", "content"), [
+HERMES_REPLIES = [
     ('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>', [("f", '{"a": 1}')], None),
     ('Let me look.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n'
      '<tool_call>{"name": "g", "arguments": "{\\"b\\": 2}"}</tool_call>',
@@ -174,12 +174,15 @@ def test_the_openai_sdk_parses_pydantic_replies_and_tool_calls(fleet):
     ('<tool_call>{"name": "f", "argum', None, '<tool_call>{"name": "f", "argum'),
     ('<tool_call>{"arguments": {}}</tool_call>', None, '<tool_call>{"arguments": {}}</tool_call>'),
     ("<tool_call></tool_call>", None, "<tool_call></tool_call>"),
-])
+]
+
+
+@pytest.mark.parametrize(("text", "calls", "content"), HERMES_REPLIES)
 def test_hermes_replies_are_calls_or_content(text, calls, content):
     assert parse_hermes(text) == (calls, content)
 
 
-@pytest.mark.parametrize(("text", "calls"), [
+LLAMA3_JSON_REPLIES = [
     ('{"name": "f", "parameters": {"a": 1}}', [("f", '{"a": 1}')]),
     ('<|python_tag|>{"name": "f", "arguments": {"x": "é"}}; {"name": "g", "parameters": {}}',
      [("f", '{"x": "é"}'), ("g", "{}")]),
@@ -189,7 +192,10 @@ def test_hermes_replies_are_calls_or_content(text, calls, content):
     ('{"name": "f", "param', None),  # cut short
     ('{"parameters": {}}', None),  # no name
     ('{"name": "f", "parameters": {}} and some words', None),
-])
+]
+
+
+@pytest.mark.parametrize(("text", "calls"), LLAMA3_JSON_REPLIES)
 def test_llama3_json_replies_are_calls_or_content(text, calls):
     from gateway.tools import parse_llama3_json
 
@@ -213,58 +219,127 @@ def test_pythonic_replies_are_calls_or_content(text, calls):
     assert parse_pythonic(text) == (calls, None if calls else text)
 
 
+def _stream(tools: ToolCalls, text: str, size: int | None = 1, seed: int = 0
+            ) -> list[tuple[int, dict]]:
+    """`text` through `tools.delta` as a stream of one choice, in pieces of `size` characters
+    (None: 1-9 at random); the deltas sent, each with how much text had come."""
+    import random
+
+    rng, deltas, end = random.Random(seed), [], 0
+    while end < len(text):
+        piece = text[end:end + (size or rng.randint(1, 9))]
+        end += len(piece)
+        d = tools.delta(0, piece, text[:end], finished=end == len(text))
+        if d:
+            deltas.append((end, d))
+    return deltas
+
+
+def _joined(deltas: list[tuple[int, dict]]) -> tuple[str, list[dict]]:
+    """A stream's content and its calls (id, name, arguments), each joined from its pieces."""
+    pieces = [c for _, d in deltas for c in d.get("tool_calls", [])]
+    opened = {c["index"]: c for c in pieces if "id" in c}
+    assert all(c["index"] in opened for c in pieces)  # arguments after their call's opening
+    return "".join(d.get("content", "") for _, d in deltas), [
+        {"id": c["id"], "name": c["function"]["name"],
+         "arguments": "".join(x["function"]["arguments"] for x in pieces
+                              if x["index"] == k)} for k, c in sorted(opened.items())]
+
+
+def _auto(parser: str) -> ToolCalls:
+    from gateway.schemas import ChatRequest
+
+    req = ChatRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS)
+    return ToolCalls.of(req, parser)
+
+
+AUTO_CALLS = [("hermes", text, calls, content) for text, calls, content in HERMES_REPLIES
+              if calls] + [("llama3_json", text, calls, None)
+                           for text, calls in LLAMA3_JSON_REPLIES if calls]
+
+
+@pytest.mark.parametrize(("parser", "text", "calls", "content"), AUTO_CALLS)
+def test_auto_streams_each_call_as_it_is_written(parser, text, calls, content):
+    """Streamed "auto" with a JSON parser, in pieces of every size: the text before the calls
+    streams as content, and each call opens once its name is written (whichever key comes
+    first, in a list or in several blocks, its arguments an object or a JSON string), its
+    arguments following as they come; joined, the stream is the unstreamed reply, ids and
+    all, and ends with finish_reason "tool_calls"."""
+    for size in (1, 2, 3, 7, None):
+        tools = _auto(parser)
+        deltas = _stream(tools, text, size)
+        streamed, joined = _joined(deltas)
+        message, unstreamed = tools.message(0, text)
+        assert [(c["name"], c["arguments"]) for c in joined] == calls
+        assert joined == [{"id": c["id"], **c["function"]} for c in message]
+        assert streamed == (content or "") and unstreamed == content
+        assert tools.finish_reason("stop", tools.called(0)) == "tool_calls"
+        if size == 1:  # the first call opened long before the reply ended
+            first = next(end for end, d in deltas if "tool_calls" in d)
+            assert first < len(text) - len(calls[0][1])
+
+
+def test_auto_holds_back_what_could_begin_a_call():
+    """Streamed hermes "auto": content goes as it comes until a `<tool_call>` begins; a piece
+    that could begin one is held back until the next tells, and goes as content at the end
+    when no call came."""
+    for text in ['Checking <tool_c', 'Sure.\n<tool_call>{"name": "get_time", "arguments": '
+                 '{"timezone": "UTC"}}</tool_call>', "Plain <tool", "a < b and <tool_call"]:
+        tools = _auto("hermes")
+        deltas = _stream(tools, text)
+        for end, _ in deltas[:-1]:
+            assert "<tool" not in "".join(d.get("content", "") for e, d in deltas if e <= end)
+        calls, content = tools.message(0, text)
+        streamed, joined = _joined(deltas)
+        assert streamed == (content or "")
+        assert joined == [{"id": c["id"], **c["function"]} for c in calls or []]
+        assert (calls is None) == (streamed == text)
+
+
 @pytest.mark.parametrize(("parser", "text"), [
-    ("llama3_json", '{"name": "get_time", "parameters": {"timezone": "UTC"}}'),
-    ("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": {"timezone": "UTC"}}'),
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": {"timezone": "UTC"}}</tool_call>'
+               '<tool_call>{"name": "get_weather", "argum'),
+    ("llama3_json", '{"name": "get_time", "parameters": {"timezone": "UTC"}}; {"name": '
+                    '"get_weather", "parameters": {"ci'),
+    ("llama3_json", '{"name": "get_time", "parameters": {"timezone": "UTC"}} and words'),
+])
+def test_a_stream_keeps_the_calls_it_opened(parser, text):
+    """A call that opened stays a call to the stream's end, where the unstreamed reply, which
+    does not parse, is content: cut short by max_tokens, the last call is what came of it
+    (finish_reason stays "length"); the stream's finished message is what it sent."""
+    tools = _auto(parser)
+    deltas = _stream(tools, text)
+    streamed, joined = _joined(deltas)
+    assert streamed == "" and joined[0]["name"] == "get_time"
+    assert json.loads(joined[0]["arguments"]) == {"timezone": "UTC"}
+    assert [c["name"] for c in joined] == ["get_time", "get_weather"][:len(joined)]
+    assert tools.finish_reason("length", tools.called(0)) == "length"
+    calls, content = tools.message(0, text)
+    assert [{"id": c["id"], **c["function"]} for c in calls] == joined and content is None
+    assert _auto(parser).message(0, text) == (None, text)
+
+
+@pytest.mark.parametrize(("parser", "text"), [
     ("llama3_json", "The time is noon, {roughly}."),
     ("pythonic", '[get_time(timezone="UTC")]'),
     ("pythonic", "It is noon [UTC]."),
     ("pythonic", "[not a call]"),
 ])
-def test_each_parser_streams_answers_and_holds_calls(parser, text):
-    """Streamed "auto" with the reply-level parsers: an answer streams as it comes; a reply
-    that begins as a call is held (no content) and its calls come whole at the end, or, when
-    it turns out to be no call, the text does; joined, the same as unstreamed."""
-    from gateway.schemas import ChatRequest
-
-    req = ChatRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS)
-    tools = ToolCalls.of(req, parser)
-    deltas = []
-    for end in range(1, len(text) + 1):  # a piece per character
-        d = tools.delta(0, text[end - 1], text[:end], finished=end == len(text))
-        if d:
-            deltas.append((end, d))
+def test_answers_stream_and_pythonic_calls_come_whole(parser, text):
+    """Streamed "auto": an answer streams as it comes; a pythonic reply, which is not JSON, is
+    held (no content) and its calls come whole at the end, or, when it turns out to be no
+    call, the text does; joined, the same as unstreamed."""
+    tools = _auto(parser)
+    deltas = _stream(tools, text)
     calls, content = tools.message(0, text)
-    streamed = [c for _, d in deltas for c in d.get("tool_calls", [])]
-    assert "".join(d.get("content", "") for _, d in deltas) == (content or "")
-    assert [c["function"] for c in streamed] == [c["function"] for c in calls or []]
+    streamed, joined = _joined(deltas)
+    assert streamed == (content or "")
+    assert joined == [{"id": c["id"], **c["function"]} for c in calls or []]
     if calls:
         assert [end for end, _ in deltas] == [len(text)]  # nothing before the end
         assert calls[0]["function"] == {"name": "get_time", "arguments": '{"timezone": "UTC"}'}
     elif not text.startswith("["):
         assert deltas[0][0] < len(text)  # an answer streams before it ends
-
-
-def test_auto_streams_the_answer_and_sends_the_calls_whole():
-    """Streamed "auto": content as it comes until a `<tool_call>` begins (a piece that could
-    begin one is held back), the calls whole at the end; joined, the same as unstreamed."""
-    from gateway.schemas import ChatRequest
-
-    req = ChatRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS)
-    for text in ['Checking <tool_c', 'Sure.\n<tool_call>{"name": "get_time", "arguments": '
-                 '{"timezone": "UTC"}}</tool_call>', "Plain <tool", "a < b and <tool_call"]:
-        tools = ToolCalls.of(req, "hermes")
-        deltas = []
-        for end in range(1, len(text) + 1):  # a piece per character
-            d = tools.delta(0, text[end - 1], text[:end], finished=end == len(text))
-            if d:
-                deltas.append(d)
-            sent = "".join(x.get("content", "") for x in deltas)
-            assert end == len(text) or "<tool" not in sent  # held back until the end tells
-        calls, content = tools.message(0, text)
-        streamed = [c for d in deltas for c in d.get("tool_calls", [])]
-        assert "".join(d.get("content", "") for d in deltas) == (content or "")
-        assert [c["function"] for c in streamed] == [c["function"] for c in calls or []]
 
 
 REQUIRED_REPLIES = [
@@ -279,34 +354,22 @@ def test_required_streams_each_call_as_its_text_comes(text):
     """Streamed "required", in pieces of every size: a call opens (index, id, name) as soon as
     its name is written and its arguments follow as written, whichever key comes first, with
     braces and quotes inside strings; joined, the calls equal the unstreamed reply's."""
-    import random
-
     from gateway.schemas import ChatRequest
 
     req = ChatRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS,
                       tool_choice="required")
-    rng = random.Random(0)
     for size in (1, 2, 3, 7, None):
         tools = ToolCalls.of(req)
-        deltas, end = [], 0
-        while end < len(text):
-            step = size or rng.randint(1, 9)
-            piece, end = text[end:end + step], min(end + step, len(text))
-            d = tools.delta(0, piece, text[:end], finished=end == len(text))
-            if d:
-                assert "content" not in d
-                deltas += d["tool_calls"]
-                opened = {x["index"] for x in deltas if "id" in x}
-                assert {x["index"] for x in deltas} <= opened  # arguments after their call
+        deltas = _stream(tools, text, size)
+        streamed, joined = _joined(deltas)
         calls, content = tools.message(0, text)
-        assert content is None and tools.finish_reason("stop", tools.called(0)) == "tool_calls"
-        joined = [{"id": next(x["id"] for x in deltas if x["index"] == k and "id" in x),
-                   "name": next(x["function"]["name"] for x in deltas if x["index"] == k
-                                and "id" in x),
-                   "arguments": "".join(x["function"]["arguments"] for x in deltas
-                                        if x["index"] == k)} for k in range(len(calls))]
+        assert streamed == "" and content is None
+        assert tools.finish_reason("stop", tools.called(0)) == "tool_calls"
         assert joined == [{"id": c["id"], **c["function"]} for c in calls]
-        assert [json.loads(c["function"]["arguments"]) for c in calls] == \
+        unstreamed, _ = ToolCalls.of(req).message(0, text)
+        assert [(c["name"], c["arguments"]) for c in joined] == \
+            [(c["function"]["name"], c["function"]["arguments"]) for c in unstreamed]
+        assert [json.loads(c["arguments"]) for c in joined] == \
             [c["parameters"] for c in json.loads(text)]
 
 
@@ -351,7 +414,8 @@ async def _all(groups) -> list[dict]:
 
 def test_auto_streams_the_text_before_a_call_on_the_messages_and_responses_apis():
     """"auto" on the other APIs' streams: the text before a call streams in its own block or
-    message as it comes, then the call follows whole, as the unstreamed reply has them."""
+    message as it comes, which ends where the call's block or item opens; the call's input or
+    arguments then stream as they are written; the stream ends as the unstreamed reply."""
     import asyncio
 
     from gateway.anthropic import MessageShape, MessagesRequest
@@ -370,8 +434,13 @@ def test_auto_streams_the_text_before_a_call_on_the_messages_and_responses_apis(
     assert kinds.index(("content_block_stop", 0)) < kinds.index(("content_block_start", 1))
     (call,) = [e["content_block"] for e in events if e["type"] == "content_block_start"
                and e["index"] == 1]
-    assert call["type"] == "tool_use" and call["name"] == "get_time"
+    assert call["type"] == "tool_use" and call["name"] == "get_time" and call["input"] == {}
+    pieces = [e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta"
+              and e["index"] == 1]
+    assert len(pieces) > 1 and json.loads("".join(pieces)) == {"timezone": "UTC"}
     assert events[-2]["delta"]["stop_reason"] == "tool_use"
+    assert shape.body(text, _last(text, "stop"), None)["content"] == [
+        {"type": "text", "text": "Let me check."}, {**call, "input": {"timezone": "UTC"}}]
 
     req = ResponsesRequest(model="m", input="x", tools=[{"type": "function", "name": "get_time",
                                                          "parameters": TIME}])
@@ -382,10 +451,17 @@ def test_auto_streams_the_text_before_a_call_on_the_messages_and_responses_apis(
     events = asyncio.run(_all(shape.events(_pieces(text), _usage, stored)))
     deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
     assert len(deltas) > 1 and "".join(deltas) == "Let me check."
-    message, fc = events[-1]["response"]["output"]
+    final = events[-1]["response"]["output"]
+    message, fc = final
     assert message["content"][0]["text"] == "Let me check." and fc["type"] == "function_call"
     added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
     assert added == [0, 1]
+    pieces = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert len(pieces) > 1 and "".join(pieces) == fc["arguments"] == '{"timezone": "UTC"}'
+    assert [e["item"] for e in events if e["type"] == "response.output_item.done"] == final
+    order = [(e["type"], e.get("output_index")) for e in events]
+    assert order.index(("response.output_item.done", 0)) < \
+        order.index(("response.output_item.added", 1))
 
 
 # A conversation that makes the real model call a tool in the hermes form, from two examples.
@@ -408,7 +484,8 @@ def auto_gateway(fleet):
 
 def test_auto_reads_the_calls_the_model_chose_to_make(fleet, auto_gateway):
     """With the parser, "auto" (the default with tools) gives the model's own reply: a call
-    when it wrote one (finish_reason "tool_calls", no content), streamed or not, through
+    when it wrote one (finish_reason "tool_calls", no content), streamed as it is written or
+    not, through
     chat, the Responses API and Anthropic's Messages API; its answer when it did not, the same reply chat gives
     without tools (SmolLM2's template shows no tools)."""
     from openai import OpenAI
@@ -428,8 +505,10 @@ def test_auto_reads_the_calls_the_model_chose_to_make(fleet, auto_gateway):
         model="SmolLM2-135M-Instruct", messages=asked, tools=tools, max_tokens=40,
         temperature=0, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    (streamed,) = [t for d in deltas for t in d.tool_calls or []]
-    assert streamed.function.arguments == call.function.arguments
+    pieces = [t for d in deltas for t in d.tool_calls or []]  # the call as it was written
+    assert len(pieces) > 2 and {t.index for t in pieces} == {0}
+    assert pieces[0].id and pieces[0].function.name == "get_weather"
+    assert "".join(t.function.arguments or "" for t in pieces) == call.function.arguments
     assert not "".join(d.content or "" for d in deltas)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
@@ -527,7 +606,8 @@ def test_required_streams_each_call_on_the_messages_and_responses_apis():
     """"any" / "required" on the other APIs' streams: each call's block or item opens once its
     name is written, its input or arguments stream, and it closes when they do, before the
     next call's text; the stream ends as the unstreamed reply does (ids included). Cut short
-    mid-call, the response's open item ends "incomplete" with the arguments that came."""
+    mid-call, the open block stops (stop_reason "max_tokens") and the response's open item
+    ends "incomplete" with the arguments that came."""
     import asyncio
 
     from gateway.anthropic import MessageShape, MessagesRequest
@@ -587,6 +667,12 @@ def test_required_streams_each_call_on_the_messages_and_responses_apis():
 
     cut = '[{"name": "get_time", "parameters": {"timezone": "UTC"}}, {"name": "get_weather", ' \
         '"parameters": {"ci'
+    shape = MessageShape(ask, "m", ToolCalls.of(ask.to_chat()), 3)
+    events = asyncio.run(_all(shape.events(_pieces(cut, "length"), _usage)))
+    assert [e["content_block"]["name"] for e in events if e["type"] == "content_block_start"] \
+        == ["get_time", "get_weather"]
+    assert [e["index"] for e in events if e["type"] == "content_block_stop"] == [0, 1]
+    assert events[-2]["delta"]["stop_reason"] == "max_tokens"  # though calls had begun
     shape = ResponseShape(req, "m", ToolCalls.of(req.to_chat(req.items())))
     events = asyncio.run(_all(shape.events(_pieces(cut, "length"), _usage, stored)))
     assert events[-1]["type"] == "response.incomplete"
