@@ -17,8 +17,10 @@ chat API's, `stop_sequences` its stop strings; the reply becomes a message of `t
 - Errors on these paths have Anthropic's body, `{"type": "error", "error": {"type",
   "message"}}` (`error_body`); an `x-api-key` header is accepted as the API key, as
   Anthropic's clients send it.
-- `thinking` and `cache_control` are accepted and have no effect (the model does not think
-  aloud; prefix caching is automatic); images and documents get a 400.
+- A gateway with a reasoning parser (gateway/reasoning.py) returns the model's thinking as a
+  `thinking` block before the answer's blocks (streamed: `thinking_delta`s; no signature).
+  The request's `thinking` and `cache_control` are accepted and have no effect (whether the
+  model thinks is its own; prefix caching is automatic); images and documents get a 400.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from gateway.reasoning import Reasoning
 from gateway.schemas import (
     INT32_MAX,
     APIError,
@@ -340,8 +343,8 @@ class MessageShape:
     """
 
     def __init__(self, req: MessagesRequest, model: str, tools: ToolCalls | None,
-                 prompt_tokens: int) -> None:
-        self.req, self.model, self.tools = req, model, tools
+                 prompt_tokens: int, reasoning: Reasoning | None = None) -> None:
+        self.req, self.model, self.tools, self.reasoning = req, model, tools, reasoning
         self.prompt_tokens = prompt_tokens
         self.id = f"msg_{uuid.uuid4().hex}"
 
@@ -356,9 +359,17 @@ class MessageShape:
         return text, None
 
     def content(self, text: str) -> list[dict[str, Any]]:
-        """The reply's content blocks: its text, then its tool calls as tool_use blocks."""
+        """The reply's content blocks: with a reasoning parser, its thinking first (when the
+        model thought); then its text, then its tool calls as tool_use blocks."""
+        blocks = []
+        if self.reasoning is not None:
+            thought, text = self.reasoning.split(text)
+            text = text or ""
+            if thought:  # no signature: there is nothing to verify it against
+                blocks.append({"type": "thinking", "thinking": thought, "signature": ""})
         calls, text = self.tools.message(0, text) if self.tools else (None, text)
-        blocks = [{"type": "text", "text": text}] if text or not calls else []
+        if text or not calls:
+            blocks.append({"type": "text", "text": text or ""})
         for k, c in enumerate(calls or ()):
             try:
                 arguments = json.loads(c["function"]["arguments"])
@@ -429,12 +440,40 @@ class MessageShape:
             field = ("input_json_delta", "partial_json")
         else:
             block = None
-        if block is not None:
+        # With a reasoning parser the thinking streams first, as a thinking block at index 0,
+        # and the answer's blocks follow it (`base` 1); the streamed block starts with the
+        # answer.
+        base = 0
+        thought = None  # the thinking streamed so far, while its block is open
+        waiting = block is not None and self.reasoning is not None  # to start with the answer
+        if block is not None and not waiting:
             group.append({"type": "content_block_start", "index": 0, "content_block": block})
 
         def streamed(piece: str) -> list[dict[str, Any]]:
-            return [{"type": "content_block_delta", "index": 0,
+            return [{"type": "content_block_delta", "index": base,
                      "delta": {"type": field[0], field[1]: piece}}] if piece else []
+
+        def thinking(more: str, ended: bool) -> list[dict[str, Any]]:
+            """The thinking block's events for its next text `more`: it starts with its first
+            text and stops when the answer begins (`ended`)."""
+            nonlocal thought, base, waiting
+            out = []
+            if more:
+                if thought is None:
+                    thought = ""
+                    out.append({"type": "content_block_start", "index": 0, "content_block": {
+                        "type": "thinking", "thinking": "", "signature": ""}})
+                thought += more
+                out.append(_delta(0, {"type": "thinking", "thinking": more}))
+            if ended:
+                if thought is not None:
+                    out.append({"type": "content_block_stop", "index": 0})
+                    thought, base = None, 1
+                if waiting:
+                    out.append({"type": "content_block_start", "index": base,
+                                "content_block": block})
+                    waiting = False
+            return out
         # "any" and "auto" replies are read as they come (`ToolCalls.feed`): "auto" text before
         # the calls streams in a text block, stopped when the first call's block starts; each
         # call's block starts once its name is written and stops when its input closes.
@@ -452,31 +491,34 @@ class MessageShape:
                 last = ev.finish_reason is not None
                 # The new text: the last piece without the stop sequence that ended it.
                 fresh = self.split(text + piece, ev)[0][len(text):] if last else piece
+                if self.reasoning is not None:  # the thinking, then the answer's `fresh`
+                    more, fresh = self.reasoning.feed(0, fresh, last)
+                    group += thinking(more, bool(fresh) or last)
                 for kind, k, value in self.tools.feed(0, fresh) if reading else ():
                     if kind == "content":
                         if not sent:
-                            group.append({"type": "content_block_start", "index": 0,
+                            group.append({"type": "content_block_start", "index": base,
                                           "content_block": {"type": "text", "text": ""}})
                         sent += value
-                        group.append(_delta(0, {"type": "text", "text": value}))
+                        group.append(_delta(base, {"type": "text", "text": value}))
                     elif kind == "open":
                         if sent and not first:  # the text ends where the calls begin
                             first = 1
-                            group.append({"type": "content_block_stop", "index": 0})
+                            group.append({"type": "content_block_stop", "index": base})
                         still_open.add(k)
-                        group.append({"type": "content_block_start", "index": k + first,
+                        group.append({"type": "content_block_start", "index": base + k + first,
                                       "content_block": self.tool_use(k, value, {})})
                     elif kind == "arguments":
-                        group.append({"type": "content_block_delta", "index": k + first,
+                        group.append({"type": "content_block_delta", "index": base + k + first,
                                       "delta": {"type": "input_json_delta",
                                                 "partial_json": value}})
                     else:
                         still_open.discard(k)
-                        group.append({"type": "content_block_stop", "index": k + first})
+                        group.append({"type": "content_block_stop", "index": base + k + first})
                 if not last:
                     text += piece
                     if block is not None:
-                        group += streamed(piece)
+                        group += streamed(fresh)
                     if group:
                         yield group, False
                         group = []
@@ -484,22 +526,23 @@ class MessageShape:
                 done = self.body(text + piece, ev, count(ev))
                 if block is not None:
                     group += streamed(fresh)
-                    group.append({"type": "content_block_stop", "index": 0})
+                    group.append({"type": "content_block_stop", "index": base})
                 elif self.tools.streamed(0):  # the calls still open (cut short) end
-                    group += [{"type": "content_block_stop", "index": k + first}
+                    group += [{"type": "content_block_stop", "index": base + k + first}
                               for k in sorted(still_open)]
                 else:
-                    content = done["content"]
+                    content = done["content"][base:]
                     if sent:  # the streamed text block: the rest of its text, and its end
                         rest = content[0]["text"][len(sent):]
                         if rest:
-                            group.append(_delta(0, {"type": "text", "text": rest}))
-                        group.append({"type": "content_block_stop", "index": 0})
+                            group.append(_delta(base, {"type": "text", "text": rest}))
+                        group.append({"type": "content_block_stop", "index": base})
                     for k, whole in enumerate(content[1 if sent else 0:], 1 if sent else 0):
-                        group += [{"type": "content_block_start", "index": k,
+                        group += [{"type": "content_block_start", "index": base + k,
                                    "content_block": {**whole, "input": {}}
                                    if whole["type"] == "tool_use" else {**whole, "text": ""}},
-                                  _delta(k, whole), {"type": "content_block_stop", "index": k}]
+                                  _delta(base + k, whole),
+                                  {"type": "content_block_stop", "index": base + k}]
                 yield [*group, {"type": "message_delta",
                                 "delta": {"stop_reason": done["stop_reason"],
                                           "stop_sequence": done["stop_sequence"]},
@@ -509,8 +552,11 @@ class MessageShape:
 
 
 def _delta(index: int, block: dict[str, Any]) -> dict[str, Any]:
-    """A content_block_delta carrying a whole block: its text, or its input as JSON text."""
-    delta = {"type": "text_delta", "text": block["text"]} if block["type"] == "text" else \
+    """A content_block_delta carrying a whole block: its text or thinking, or its input as
+    JSON text."""
+    kind = block["type"]
+    delta = {"type": "text_delta", "text": block["text"]} if kind == "text" else \
+        {"type": "thinking_delta", "thinking": block["thinking"]} if kind == "thinking" else \
         {"type": "input_json_delta", "partial_json": json.dumps(block["input"],
                                                                 ensure_ascii=False)}
     return {"type": "content_block_delta", "index": index, "delta": delta}

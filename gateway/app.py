@@ -190,6 +190,7 @@ class Gateway(RequestPreparation):
         self._responding: set[asyncio.Task] = set()  # background responses being run
         self.max_overflow_windows = 8  # GatewaySettings.max_overflow_windows, set by create_app
         self.tool_call_parser: str | None = None  # GatewaySettings.tool_call_parser, likewise
+        self.reasoning_parser: str | None = None  # GatewaySettings.reasoning_parser, likewise
         self.tracer = None  # spans of requests (shoal/tracing.py), set by create_app
         self.subscribed = False  # the token channel is live: requests may be enqueued
         self.waiting = 0  # requests in the scheduler's pool, as it last published
@@ -573,6 +574,12 @@ def _token_name(model: ServedModel, as_token_ids: bool) -> Callable[[int], str]:
     return (lambda t: f"token_id:{t}") if as_token_ids else model.token_text
 
 
+def _reasoning_fields(thought: str | None) -> dict[str, str | None]:
+    """A chat message's or delta's thinking: vLLM's `reasoning` and its older name
+    `reasoning_content` (DeepSeek's API's, which many clients read), the same text."""
+    return {"reasoning": thought, "reasoning_content": thought}
+
+
 def _logprob_entries(name: Callable[[int], str], ids: list[int], lps: list[float | None],
                      tops: list | None) -> list[dict[str, Any]]:
     """Chat's logprobs of tokens `ids` (and the Responses API's): an entry per token, named by
@@ -618,6 +625,8 @@ class GatewaySettings:
         retry_after_s: the Retry-After header of a 429, in seconds.
         tool_call_parser: reads the replies of tool_choice "auto" (`gateway.tools`); None
             refuses "auto", as vLLM does without --enable-auto-tool-choice.
+        reasoning_parser: splits chat replies into the model's thinking and its answer
+            (`gateway.reasoning`); None leaves them whole.
         max_overflow_windows: a request with `context_overflow` generates at most this many
             context windows of tokens.
         requests_per_minute, tokens_per_minute: per API key (or per gateway without keys) and
@@ -634,6 +643,7 @@ class GatewaySettings:
     api_keys: tuple[str, ...] = ()
     max_overflow_windows: int = 8
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     public_paths: tuple[str, ...] = PUBLIC_PATHS
     max_waiting: int = 1024
     max_body_bytes: int = 4 << 20
@@ -851,6 +861,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
     gw = Gateway(redis_url, models, prefix)
     gw.max_overflow_windows = settings.max_overflow_windows
     gw.tool_call_parser = settings.tool_call_parser
+    gw.reasoning_parser = settings.reasoning_parser
     gw.tracer = tracer
 
     @contextlib.asynccontextmanager
@@ -1128,17 +1139,23 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
             return {"content": _logprob_entries(
                 _token_name(p.model, req.return_tokens_as_token_ids), ids, lps, tops)}
 
-        tools = p.tools
+        tools, reasoning = p.tools, p.reasoning
         if req.stream:
-            texts = [""] * len(ps)  # each choice's text so far (tool calls are built from it)
+            texts = [""] * len(ps)  # each choice's content so far (tool calls are built from it)
 
             def chunk(i: int, piece: str, ev: TokenEvent) -> dict[str, Any]:
                 reason = _finish(ev)
-                delta: dict[str, Any] | None = {"content": piece} if piece else {}
+                delta: dict[str, Any] = {}
+                if reasoning is not None:  # the thinking goes first, the rest is content
+                    thought, piece = reasoning.feed(i, piece, reason is not None)
+                    if thought:
+                        delta = _reasoning_fields(thought)
                 if tools is not None:
                     texts[i] += piece
-                    delta = tools.delta(i, piece, texts[i], reason is not None) or {}
+                    delta |= tools.delta(i, piece, texts[i], reason is not None) or {}
                     reason = tools.finish_reason(reason, tools.called(i))
+                elif piece:
+                    delta["content"] = piece
                 return {"index": i, "delta": delta,
                         "logprobs": logprobs(ev.token_ids, ev.logprobs, ev.top_logprobs),
                         "finish_reason": reason}
@@ -1150,11 +1167,16 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         def choice(i: int, c: _Choice) -> dict[str, Any]:
             message: dict[str, Any] = {"role": "assistant", "content": c.text}
             reason = _finish(c.last)
+            if reasoning is not None:
+                thought, message["content"] = reasoning.split(c.text)
+                message |= _reasoning_fields(thought)
             if tools is not None:
-                calls, message["content"] = tools.message(i, c.text)
+                calls, message["content"] = tools.message(i, message["content"] or "")
                 if calls:
                     message["tool_calls"] = calls
                 reason = tools.finish_reason(reason, calls)
+            if reasoning is not None and not message["content"]:
+                message["content"] = None  # all thinking (or all calls)
             return {"index": i, "message": message,
                     "logprobs": logprobs(c.ids, c.logprobs, c.tops), "finish_reason": reason}
         prompt_logprobs = ({"prompt_logprobs": _prompt_logprobs(p.model, p.prompt_ids, done[0],
@@ -1211,7 +1233,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         await admit([p], _presented_key(request.headers))
         name = _token_name(p.model, False)
         shape = ResponseShape(req, p.model.name, p.tools, lambda ev: _logprob_entries(
-            name, ev.token_ids, ev.logprobs, ev.top_logprobs))
+            name, ev.token_ids, ev.logprobs, ev.top_logprobs), p.reasoning)
 
         async def keep(response: dict[str, Any], quiet: bool = False) -> None:
             if req.store:
@@ -1402,7 +1424,8 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
         with anthropic.refusals():
             p = await gw.prepare(gw.prepare_chat, req.to_chat())
         await admit([p], _presented_key(request.headers))
-        shape = anthropic.MessageShape(req, p.model.name, p.tools, len(p.prompt_ids))
+        shape = anthropic.MessageShape(req, p.model.name, p.tools, len(p.prompt_ids),
+                                       p.reasoning)
         if req.stream:
             return TypedEventStream(shape.events(gw.run(p), lambda last: _usage([p], last)))
         done = (await _collect([p]))[0]

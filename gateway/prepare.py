@@ -3,8 +3,8 @@ the text (stop strings, special tokens, tool calls), checked so that a bad reque
 naming its parameter before anything is queued.
 
 `RequestPreparation` is a part of `gateway.app.Gateway`, which gives it the models it serves
-(`catalog`: each one's tokenizer, names and context window), `max_overflow_windows` and
-`tool_call_parser`.
+(`catalog`: each one's tokenizer, names and context window), `max_overflow_windows`,
+`tool_call_parser` and `reasoning_parser`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, replace
 
 from gateway.models import ModelCatalog, ServedModel
+from gateway.reasoning import Reasoning
 from gateway.schemas import (
     MAX_REQUESTS,
     APIError,
@@ -31,7 +32,7 @@ class Prepared:
     """One request ready for the fleet, for `model`, with what the gateway itself does to its
     text: cut it at `stops` (keeping the stop string with `include_stop_str`), and leave
     special tokens out unless `skip_special_tokens` is False; with `tools`, its text is tool
-    calls."""
+    calls; with `reasoning`, its text is the model's thinking, then its answer."""
 
     model: ServedModel
     request_id: str
@@ -42,6 +43,7 @@ class Prepared:
     include_stop_str: bool = False
     skip_special_tokens: bool = True
     tools: ToolCalls | None = None
+    reasoning: Reasoning | None = None
 
 
 class PromptTooLong(APIError):
@@ -54,6 +56,7 @@ class RequestPreparation:
     catalog: ModelCatalog
     max_overflow_windows: int
     tool_call_parser: str | None  # reads tool_choice "auto" replies (None: "auto" is refused)
+    reasoning_parser: str | None  # splits chat replies into reasoning and content (None: not)
 
     def _params(self, req: GenerationRequest, model: ServedModel, max_tokens: int | None,
                 prompt_len: int, logprobs: bool, top_logprobs: int = 0,
@@ -180,8 +183,12 @@ class RequestPreparation:
         params = self._params(req, model, req.max_completion_tokens or req.max_tokens, len(ids),
                               req.logprobs, req.top_logprobs or 0, req.prompt_logprobs,
                               constraint=tools.constraint if tools else None)
+        # A constrained reply (structured outputs, tool calls made by them) cannot think first:
+        # it is all content.
+        reasoning = None if params.structured_output is not None else \
+            Reasoning.of(self.reasoning_parser, req.chat_template_kwargs)
         return replace(_prepared(model, f"chatcmpl-{uuid.uuid4().hex}", ids, params, req),
-                       tools=tools)
+                       tools=tools, reasoning=reasoning)
 
     def prepare_chat_batch(self, req: BatchChatRequest) -> tuple[str, list[Prepared]]:
         """The batch's id and one request per conversation, in order, with ids `<id>-<k>`.

@@ -44,6 +44,7 @@ import redis
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter
 
+from gateway.reasoning import Reasoning
 from gateway.schemas import (
     INT32_MAX,
     APIError,
@@ -117,15 +118,30 @@ class FunctionCallOutputItem(BaseModel):
     status: str | None = None
 
 
+class ReasoningInputItem(BaseModel):
+    """An earlier turn's reasoning, as a client sends a response's output back: left out of
+    the prompt (chat templates show a model its earlier answers, not its thinking)."""
+
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = []
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
 # An input item, told by its `type` (a message may leave it out).
 InputItem = Annotated[
     Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningInputItem, Tag("reasoning")],
     Discriminator(lambda v: (v.get("type", "message") if isinstance(v, dict)
                              else getattr(v, "type", None)),
                   custom_error_type="input_item",
-                  custom_error_message="input items are messages, function_call or "
-                                       "function_call_output"),
+                  custom_error_message="input items are messages, function_call, "
+                                       "function_call_output or reasoning"),
 ]
 
 
@@ -295,12 +311,13 @@ def truncated(items: list[InputMessage | FunctionCallItem | FunctionCallOutputIt
     return [*items[:lead], *rest]
 
 
-def _chat_messages(items: list[InputMessage | FunctionCallItem | FunctionCallOutputItem]
-                   ) -> list[ChatMessage]:
+def _chat_messages(items: list[Any]) -> list[ChatMessage]:
     """Input items as chat messages: consecutive function calls become one assistant message
-    with those `tool_calls`, each call's output a `tool` message."""
+    with those `tool_calls`, each call's output a `tool` message; reasoning is left out."""
     out: list[ChatMessage] = []
     for item in items:
+        if isinstance(item, ReasoningInputItem):
+            continue
         if isinstance(item, InputMessage):
             out.append(item.for_chat())
         elif isinstance(item, FunctionCallOutputItem):
@@ -337,11 +354,13 @@ class ResponseShape:
     """
 
     def __init__(self, req: ResponsesRequest, model: str, tools: ToolCalls | None,
-                 logprobs: Callable[[TokenEvent], list[dict[str, Any]]] | None = None) -> None:
-        self.req, self.model, self.tools = req, model, tools
+                 logprobs: Callable[[TokenEvent], list[dict[str, Any]]] | None = None,
+                 reasoning: Reasoning | None = None) -> None:
+        self.req, self.model, self.tools, self.reasoning = req, model, tools, reasoning
         self.logprobs = logprobs if req.logprobs and tools is None else None
         self.id = f"resp_{uuid.uuid4().hex}"
         self.item_id = f"msg_{uuid.uuid4().hex}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
         self._call_items: dict[int, str] = {}  # call index -> its item's id
         self.created_at = int(time.time())
 
@@ -406,8 +425,25 @@ class ResponseShape:
 
     def output(self, text: str, status: str, logprobs: list[dict[str, Any]] = ()
                ) -> list[dict[str, Any]]:
-        """The output items of a finished reply: its function calls (each an item, after the
-        message the model wrote before them, if any), or the assistant's message. The calls a
+        """The output items of a finished reply: with a reasoning parser, the model's thinking
+        first, as a reasoning item (when it thought); then `answer`'s items for the rest."""
+        if self.reasoning is None:
+            return self.answer(text, status, logprobs)
+        thought, text = self.reasoning.split(text)
+        thinking = [self.reasoning_item(thought, status if text is None else "completed")]
+        return (thinking if thought else []) + self.answer(text or "", status, logprobs)
+
+    def reasoning_item(self, thought: str, status: str) -> dict[str, Any]:
+        """The reasoning item of a reply's thinking (status as `message`'s)."""
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [],
+                "content": [{"type": "reasoning_text", "text": thought}],
+                "status": self.message(thought, status)["status"]}
+
+    def answer(self, text: str, status: str, logprobs: list[dict[str, Any]] = ()
+               ) -> list[dict[str, Any]]:
+        """The output items of a finished reply's answer: its function calls (each an item,
+        after the message the model wrote before them, if any), or the assistant's message. The
+        calls a
         stream opened, or that an unstreamed "required" reply cut short began, are items as
         far as they came (one cut short "incomplete"); other calls cut short are the
         message."""
@@ -462,23 +498,36 @@ class ResponseShape:
             return {"type": kind, "sequence_number": next(seq), **fields}
 
         def opened(index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
-            """An item's opening events: it, in progress, and a message's empty text part."""
+            """An item's opening events: it, in progress, and a message's or a reasoning item's
+            empty text part. `index` counts from the answer's first item (`base`)."""
+            index += base
+            parts = item["type"] in ("message", "reasoning")
             out = [event("response.output_item.added", output_index=index,
                          item={**item, "status": "in_progress"} | (
-                             {"content": []} if item["type"] == "message" else
-                             {"arguments": ""}))]
-            if item["type"] == "message":
+                             {"content": []} if parts else {"arguments": ""}))]
+            if parts:
+                part = self.part("") if item["type"] == "message" else \
+                    {"type": "reasoning_text", "text": ""}
                 out.append(event("response.content_part.added", item_id=item["id"],
-                                 output_index=index, content_index=0, part=self.part("")))
+                                 output_index=index, content_index=0, part=part))
             return out
 
         def closed(index: int, item: dict[str, Any], delta: str | None) -> list[dict[str, Any]]:
             """A finished item's last events: its text or arguments (with their last `delta`,
             if any: the last piece of what streamed, or all of an item sent whole) and the item
-            done."""
+            done. `index` counts from the answer's first item (`base`)."""
+            index += base
             where = {"item_id": item["id"], "output_index": index}
             out = []
-            if item["type"] == "message":
+            if item["type"] == "reasoning":
+                if delta:
+                    out.append(event("response.reasoning_text.delta", **where, content_index=0,
+                                     delta=delta))
+                out += [event("response.reasoning_text.done", **where, content_index=0,
+                              text=item["content"][0]["text"]),
+                        event("response.content_part.done", **where, content_index=0,
+                              part=item["content"][0])]
+            elif item["type"] == "message":
                 text = item["content"][0]["text"]
                 if delta or pending:
                     out.append(event("response.output_text.delta", **where, content_index=0,
@@ -513,8 +562,13 @@ class ResponseShape:
         elif self.tools.mode == "named":
             streamed = {"type": "function_call", "id": self.call_item_id(0),
                         "call_id": self.tools.call_id(0), "name": self.tools.name}
-        if streamed is not None:
+        # With a reasoning parser the thinking streams first, as a reasoning item at index 0,
+        # and the answer's items follow it (`base` 1); the streamed item opens with the answer.
+        base = 0
+        thought = None  # the thinking streamed so far, while its item is open
+        if streamed is not None and self.reasoning is None:
             group += opened(0, streamed)
+        waiting = streamed if self.reasoning is not None else None  # to open with the answer
         # "required" and "auto" replies are read as they come (`ToolCalls.feed`): "auto" text
         # before the calls streams as the message, each call's item opens once its name is
         # written and is done when its arguments close.
@@ -531,9 +585,32 @@ class ResponseShape:
             pending.clear()
             return out
 
+        def thinking(more: str, finished: bool) -> list[dict[str, Any]]:
+            """The reasoning item's events for its next text `more`: it opens with its first
+            text; it is done when the answer begins (or the reply ends)."""
+            nonlocal thought, base
+            out = []
+            if more:
+                if thought is None:
+                    thought = ""
+                    out += opened(0, self.reasoning_item("", "in_progress"))
+                thought += more
+                out.append(event("response.reasoning_text.delta", item_id=self.reasoning_id,
+                                 output_index=0, content_index=0, delta=more))
+            if thought is not None and finished:
+                out += closed(0, self.reasoning_item(thought, "completed"), None)
+                thought, base = None, 1
+            return out
+
         async with contextlib.aclosing(run) as stream:  # leaving early cancels the request
             async for piece, ev in stream:
                 text += piece
+                if self.reasoning is not None:  # the thinking, then the answer's `piece`
+                    more, piece = self.reasoning.feed(0, piece, ev.finish_reason is not None)
+                    group += thinking(more, bool(piece))
+                    if waiting is not None and piece:
+                        group += opened(0, waiting)
+                        waiting = None
                 if self.logprobs is not None and ev.token_ids:
                     entries = self.logprobs(ev)
                     logprobs += entries
@@ -549,7 +626,7 @@ class ResponseShape:
                             group += opened(0, self.message("", "in_progress"))
                         sent += value
                         group.append(event("response.output_text.delta", item_id=self.item_id,
-                                           output_index=0, content_index=0, delta=value,
+                                           output_index=base, content_index=0, delta=value,
                                            logprobs=[]))
                     elif kind == "open":
                         if sent and not first:  # the message ends where the calls begin
@@ -559,8 +636,8 @@ class ResponseShape:
                         group += opened(k + first, self.call_item(k, value, "", "in_progress"))
                     elif kind == "arguments":
                         group.append(event("response.function_call_arguments.delta",
-                                           item_id=self.call_item_id(k), output_index=k + first,
-                                           delta=value))
+                                           item_id=self.call_item_id(k),
+                                           output_index=base + k + first, delta=value))
                     else:
                         item = self.call_item(k, names.pop(k), self.tools.arguments(0, k),
                                               "completed")
@@ -568,17 +645,22 @@ class ResponseShape:
                 if ev.finish_reason is not None:
                     final = self.body(text, ev, usage(ev), logprobs=logprobs)
                     await done(final)
+                    if thought is not None:  # the reply ended while the model thought
+                        group += closed(0, final["output"][0], None)
+                        thought, base = None, 1
+                    answer = final["output"][base:]
+                    if waiting is not None:  # no answer came: its item, empty
+                        group += opened(0, waiting)
                     if streamed is not None:
-                        group += closed(0, final["output"][0], piece)
+                        group += closed(0, answer[0], piece)
                     elif self.tools.streamed(0):
                         for k in names:  # cut short: the calls still open end incomplete
-                            group += closed(k + first, final["output"][k + first], None)
+                            group += closed(k + first, answer[k + first], None)
                     else:
                         if sent:  # the streamed message: the rest of its text, and its end
-                            message = final["output"][0]
+                            message = answer[0]
                             group += closed(0, message, message["content"][0]["text"][len(sent):])
-                        for k, item in enumerate(final["output"][1 if sent else 0:],
-                                                 1 if sent else 0):
+                        for k, item in enumerate(answer[1 if sent else 0:], 1 if sent else 0):
                             whole = item["content"][0]["text"] if item["type"] == "message" \
                                 else item["arguments"]
                             group += [*opened(k, item), *closed(k, item, whole)]
@@ -587,10 +669,10 @@ class ResponseShape:
                 if piece and streamed is not None:
                     group.append(
                         event("response.output_text.delta", item_id=self.item_id,
-                              output_index=0, content_index=0, delta=piece, logprobs=take())
+                              output_index=base, content_index=0, delta=piece, logprobs=take())
                         if streamed["type"] == "message" else
                         event("response.function_call_arguments.delta",
-                              item_id=self.call_item_id(0), output_index=0, delta=piece))
+                              item_id=self.call_item_id(0), output_index=base, delta=piece))
                 if group:
                     yield group, False
                     group = []
@@ -678,7 +760,8 @@ class ResponseStore:
 
     async def history(self, response_id: str) -> list[Any]:
         """The conversation a continuation of a stored response starts with: its input items,
-        then its output as input items (the assistant's message, its function calls).
+        then its output as input items (the assistant's message, its function calls; its
+        reasoning, which no prompt shows, left out).
 
         Raises:
             APIError: 404 when the response is not stored (naming previous_response_id).
@@ -693,7 +776,7 @@ class ResponseStore:
                                for part in item["content"]]}
                   if item["type"] == "message" else
                   {k: item[k] for k in ("type", "call_id", "name", "arguments")}
-                  for item in stored["response"]["output"]]
+                  for item in stored["response"]["output"] if item["type"] != "reasoning"]
         return _ITEMS.validate_python([*stored["input"], *output])
 
     async def settle(self, response: dict[str, Any], unless: tuple[str, ...] = TERMINAL

@@ -332,6 +332,9 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = Field(default=None, max_length=128)
     tool_call_id: str | None = Field(default=None, description="the call a tool message answers")
     name: str | None = None
+    reasoning: str | None = Field(default=None, description="an assistant turn's thinking, as a "
+                                  "reasoning parser returned it (`reasoning_content` also)")
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _content_given(self) -> ChatMessage:
@@ -355,6 +358,9 @@ class ChatMessage(BaseModel):
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             out["name"] = self.name
+        thought = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if thought is not None:  # templates that show earlier thinking read it by this name
+            out["reasoning_content"] = thought
         return out
 
 

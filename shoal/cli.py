@@ -107,7 +107,7 @@ def _add_served_model_name_arg(p: argparse.ArgumentParser) -> None:
                         "gateway and the workers must be given the same first name")
 
 
-def _add_tool_call_args(p: argparse.ArgumentParser) -> None:
+def _add_reply_parser_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto" (the default with tools), reading calls from '
                         "the reply with --tool-call-parser, as vLLM's")
@@ -116,6 +116,11 @@ def _add_tool_call_args(p: argparse.ArgumentParser) -> None:
                         "in a block, SmolLM2's form, too); llama3_json: a reply of JSON calls "
                         "separated by ';' (Llama 3.1); pythonic: a reply [f(a=1), g()] "
                         "(Llama 3.2 and 4)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split chat replies into the model's thinking (<think>...</think>: "
+                        "`reasoning`, a Responses reasoning item, a Messages thinking block) and "
+                        "its answer, as vLLM's: deepseek_r1 (DeepSeek R1, QwQ), qwen3 (Qwen3; "
+                        "chat_template_kwargs enable_thinking false: all answer)")
 
 
 def _tool_call_parser(args: argparse.Namespace) -> str | None:
@@ -186,6 +191,7 @@ ATTENTION_BACKENDS = ["auto", "torch", "triton"]  # worker/config.py ATTENTION_B
 QUANTIZATIONS = ["none", "int8", "int4", "w8a8"]  # worker/config.py QUANTIZATIONS
 DTYPE_CHOICES = ["auto", "bfloat16", "float32"]  # worker/config.py DTYPE_CHOICES
 TOOL_CALL_PARSERS = ["hermes", "llama3_json", "pythonic"]  # gateway/tools.py's
+REASONING_PARSERS = ["deepseek_r1", "qwen3"]  # gateway/reasoning.py's
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -275,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "default of requests that name none; default: SmolLM2)")
     _add_served_model_name_arg(gw)
     _add_chat_template_arg(gw)
-    _add_tool_call_args(gw)
+    _add_reply_parser_args(gw)
     _add_tracing_arg(gw)
     gw.add_argument("--prefix", default="shoal", help="Redis key prefix")
     gw.add_argument("--api-key", action="append", default=[],
@@ -326,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "model, one gateway for all (default: SmolLM2)")
     _add_served_model_name_arg(u)
     _add_chat_template_arg(u)
-    _add_tool_call_args(u)
+    _add_reply_parser_args(u)
     _add_tracing_arg(u)
     u.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="every worker's dtype (auto: chosen by each worker for its machine)")
@@ -734,6 +740,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
                                tokens_per_minute=args.tokens_per_minute,
                                max_overflow_windows=args.max_overflow_windows,
                                tool_call_parser=_tool_call_parser(args),
+                               reasoning_parser=args.reasoning_parser,
                                responses_ttl_s=args.responses_ttl,
                                allowed_origins=tuple(args.allowed_origins),
                                allowed_methods=tuple(args.allowed_methods),
@@ -839,6 +846,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         gateway_args += ["--chat-template", args.chat_template]
     if _tool_call_parser(args):
         gateway_args += ["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser]
+    if args.reasoning_parser is not None:
+        gateway_args += ["--reasoning-parser", args.reasoning_parser]
     scheduler_args: list[str] = []
     if args.otlp_traces_endpoint is not None:
         _tracer(args, None)  # refused here, not by the gateway and the scheduler as they start
