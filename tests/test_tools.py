@@ -688,3 +688,64 @@ def _last(text: str, reason: str):
 
     return TokenEvent("r", 0, [], finish_reason=reason, prompt_tokens=3,
                       completion_tokens=len(text))
+
+
+# Pieces of replies, well formed or not, that random replies are made of.
+FRAGMENTS = ["<tool_call>", "</tool_call>", "<think>", "</think>", '{"name": "get_time"',
+             ', "arguments": ', '{"timezone": "UTC"}', "}", "{", "[", "]", '"', "\\", ":", ",",
+             ";", " ", "\n", "hello", "<", "</", "<tool", '"name"', '"parameters"',
+             '{"a": [1, {"b": "}"}]}', "<|python_tag|>", '"x\\"y"']
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_any_reply_streams_as_the_finished_reply_has_it(seed):
+    """Random replies, calls and broken calls alike, in random pieces, through every "auto"
+    parser, with and without a reasoning parser and cut short or not: no stream breaks; chat's
+    deltas join to its finished message; the Responses API's items are added in order and
+    each is done as the final response has it; the Messages API's blocks start in order and
+    each stops."""
+    import asyncio
+    import random
+
+    from gateway.anthropic import MessageShape, MessagesRequest
+    from gateway.reasoning import Reasoning
+    from gateway.responses import ResponseShape, ResponsesRequest
+    from gateway.schemas import ChatRequest
+
+    rng = random.Random(seed)
+    chat = ChatRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS)
+    responses = ResponsesRequest(model="m", input="x", tools=[
+        {"type": "function", "name": "get_time", "parameters": TIME}])
+    messages = MessagesRequest(model="m", max_tokens=64, messages=[{"role": "user",
+                                                                    "content": "x"}],
+                               tools=[{"name": "get_time", "input_schema": TIME}])
+
+    async def stored(_response) -> None:
+        pass
+    for _ in range(100):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 14)))
+        parser = rng.choice(["hermes", "llama3_json", "pythonic"])
+        tools = ToolCalls.of(chat, parser)
+        streamed, joined = _joined(_stream(tools, text, None, rng.randrange(1 << 30)))
+        calls, content = tools.message(0, text)
+        assert streamed == (content or "")
+        assert joined == [{"id": c["id"], **c["function"]} for c in calls or []]
+
+        thinking = Reasoning("deepseek_r1") if rng.random() < 0.5 else None
+        reason = rng.choice(["stop", "length"])
+        shape = ResponseShape(responses, "m", ToolCalls.of(responses.to_chat(responses.items()),
+                                                           parser), reasoning=thinking)
+        events = asyncio.run(_all(shape.events(_pieces(text, reason), _usage, stored)))
+        final = events[-1]["response"]["output"]
+        assert [e["item"] for e in events if e["type"] == "response.output_item.done"] == final
+        assert [e["output_index"] for e in events if e["type"] ==
+                "response.output_item.added"] == list(range(len(final)))
+
+        shape = MessageShape(messages, "m", ToolCalls.of(messages.to_chat(), parser), 3,
+                             thinking and Reasoning("deepseek_r1"))
+        events = asyncio.run(_all(shape.events(_pieces(text, reason), _usage)))
+        starts = [e["index"] for e in events if e["type"] == "content_block_start"]
+        assert starts == list(range(len(starts)))
+        assert sorted(e["index"] for e in events if e["type"] == "content_block_stop") == starts
+        assert [b["type"] for b in shape.body(text, _last(text, reason), None)["content"]] == \
+            [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
