@@ -378,7 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32")
     ch.add_argument("--seed", type=int, default=0)
 
-    c = sub.add_parser("chat", help="stream a reply from a running gateway")
+    c = sub.add_parser("chat", help="stream a reply from a running gateway (the model's "
+                                    "thinking, where the gateway splits it off, to stderr)")
     c.add_argument("--url", default="http://127.0.0.1:8000")
     c.add_argument("--max-tokens", type=_positive_int, default=256)
     c.add_argument("--temperature", type=float, default=0.0)
@@ -933,14 +934,23 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             if r.status_code != 200:
                 r.read()
                 raise CLIError(f"gateway answered {r.status_code}: {r.text}")
+            thought = False  # the model's thinking (a reasoning parser's) went to stderr
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 for choice in json.loads(line[6:]).get("choices", []):
-                    sys.stdout.write(choice.get("delta", {}).get("content", ""))
+                    delta = choice.get("delta", {})
+                    if delta.get("reasoning"):  # apart from the answer, dim on a terminal
+                        dim = sys.stderr.isatty()
+                        sys.stderr.write("\033[2m" * dim + delta["reasoning"] + "\033[0m" * dim)
+                        sys.stderr.flush()
+                        thought = True
+                    sys.stdout.write(delta.get("content") or "")
                     sys.stdout.flush()
     except httpx.HTTPError as e:
         raise CLIError(f"cannot reach the gateway at {args.url}: {e}") from e
+    if thought:
+        sys.stderr.write("\n")
     sys.stdout.write("\n")
     return 0
 

@@ -198,6 +198,25 @@ def test_the_model_s_thinking_comes_apart_from_its_answer(fleet, thinking_gatewa
     assert getattr(shaped, "reasoning", None) is None and shaped.content.lstrip().startswith("{")
 
 
+def test_shoal_chat_shows_the_thinking_apart(fleet, thinking_gateway):
+    """`shoal chat` writes the thinking a reasoning parser splits off to stderr and the answer
+    to stdout: SmolLM2, asked plainly, never writes `</think>`, so deepseek_r1 reads its whole
+    reply as thinking (a reply cut short mid-thought is all reasoning too)."""
+    import subprocess
+
+    from shoal.fleet import shoal_command
+
+    ask = {"messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 16,
+           "temperature": 0}
+    raw = httpx.post(fleet["url"] + "/v1/chat/completions", json=ask,
+                     timeout=120).json()["choices"][0]["message"]["content"]
+    out = subprocess.run([*shoal_command(), "chat", "--url", thinking_gateway, "--max-tokens",
+                          "16", "Name three colors."], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "</think>" not in raw
+    assert out.stdout == "\n" and out.stderr == raw + "\n"
+
+
 def test_the_cli_lists_the_parsers_the_gateway_has():
     from gateway import reasoning
     from shoal import cli
