@@ -442,10 +442,9 @@ class ResponseShape:
     def answer(self, text: str, status: str, logprobs: list[dict[str, Any]] = ()
                ) -> list[dict[str, Any]]:
         """The output items of a finished reply's answer: its function calls (each an item,
-        after the message the model wrote before them, if any), or the assistant's message. The
-        calls a
-        stream opened, or that an unstreamed "required" reply cut short began, are items as
-        far as they came (one cut short "incomplete"); other calls cut short are the
+        after the message the model wrote before them, if any), or the assistant's message.
+        The calls a stream opened, or that an unstreamed "required" reply cut short began, are
+        items as far as they came (one cut short "incomplete"); other calls cut short are the
         message."""
         calls, content = self.tools.message(0, text) if self.tools else (None, text)
         if self.tools is not None and (self.tools.streamed(0) or
