@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, replace
 
 from gateway.models import ModelCatalog, ServedModel
-from gateway.reasoning import Reasoning
+from gateway.reasoning import END, Reasoning
 from gateway.schemas import (
     MAX_REQUESTS,
     APIError,
@@ -183,10 +183,12 @@ class RequestPreparation:
         params = self._params(req, model, req.max_completion_tokens or req.max_tokens, len(ids),
                               req.logprobs, req.top_logprobs or 0, req.prompt_logprobs,
                               constraint=tools.constraint if tools else None)
-        # A constrained reply (structured outputs, tool calls made by them) cannot think first:
-        # it is all content.
-        reasoning = None if params.structured_output is not None else \
-            Reasoning.of(self.reasoning_parser, req.chat_template_kwargs)
+        reasoning = Reasoning.of(self.reasoning_parser, req.chat_template_kwargs)
+        if reasoning is not None and params.structured_output is not None:
+            # The model thinks freely; its constraint (structured outputs, tool calls made by
+            # them) holds from the end of its thinking, as vLLM applies it with a parser.
+            params = replace(params, structured_output_after=tuple(
+                model.tokenizer.encode(END, add_special_tokens=False)))
         return replace(_prepared(model, f"chatcmpl-{uuid.uuid4().hex}", ids, params, req),
                        tools=tools, reasoning=reasoning)
 

@@ -9,9 +9,14 @@ in the prompt, so the reply may hold only the end tag) and `qwen3` (Qwen3: the s
 request whose `chat_template_kwargs` set `enable_thinking: false` asks the model not to think,
 so its reply is all content). A reply whose thinking has not ended (no `</think>`: cut short
 by max_tokens, or a model that does not think) is all reasoning. The tags are text, so the
-split works on the detokenized reply, streamed or not; constraints (structured outputs, tool
-calls made by them) apply from the reply's first token, as they would without a parser, so a
-constrained reply is not thought first.
+split works on the detokenized reply, streamed or not.
+
+A constraint (structured outputs, tool calls made by them) holds from the end of the thinking,
+as vLLM applies it with a reasoning parser: the request carries the token ids of `</think>`
+(`SamplingParams.structured_output_after`), and the worker starts the constraint once the
+output holds them. In a reasoning model's vocabulary `</think>` is one token; a model whose
+tokenizer splits it is constrained only if it writes the tag in the tokens `encode` gives it
+alone (SmolLM2 does, when a newline follows the tag).
 """
 
 from __future__ import annotations

@@ -80,6 +80,10 @@ class SamplingParams:
         structured_output: None, or a constraint the generated text must match (JSON Schema,
             regular expression, choice, grammar; `shoal.structured_output`): every sampled
             token is one the constraint allows, and the request stops when it is complete.
+        structured_output_after: token ids after which the constraint starts: the tokens up
+            to where the output first ends with them are free (a reasoning model's thinking,
+            up to its `</think>`; vLLM's structured outputs with a reasoning parser); empty:
+            the constraint holds from the first token.
     """
 
     max_tokens: int = 16
@@ -105,6 +109,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
     structured_output: StructuredOutput | None = None
+    structured_output_after: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -163,6 +168,10 @@ class SamplingParams:
         if len({t for t, _ in bias}) < len(bias):
             raise InvalidSamplingParams("logit_bias names a token id twice")
         object.__setattr__(self, "logit_bias", bias)
+        object.__setattr__(self, "structured_output_after",
+                           tuple(int(t) for t in self.structured_output_after))
+        if any(t < 0 for t in self.structured_output_after):
+            raise InvalidSamplingParams("structured_output_after must be token ids (>= 0)")
         if isinstance(self.structured_output, dict):  # from the wire (`to_dict`)
             try:
                 object.__setattr__(self, "structured_output",
@@ -187,6 +196,7 @@ class SamplingParams:
         d["allowed_token_ids"] = list(self.allowed_token_ids)
         d["bad_words_token_ids"] = [list(word) for word in self.bad_words_token_ids]
         d["logit_bias"] = [list(pair) for pair in self.logit_bias]  # msgpack maps want str keys
+        d["structured_output_after"] = list(self.structured_output_after)
         return d
 
     @classmethod

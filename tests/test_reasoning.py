@@ -6,6 +6,7 @@ against the same greedy reply from a gateway without a parser."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import httpx
@@ -145,7 +146,7 @@ def test_the_model_s_thinking_comes_apart_from_its_answer(fleet, thinking_gatewa
     from the parser's gateway as `reasoning` (and `reasoning_content`) and `content`, the two
     parts of that same text, streamed or not; through the Responses API as a reasoning item
     and the message, which go back as input; through the Messages API as a thinking block
-    and the text. A constrained reply cannot think first: it is all content."""
+    and the text."""
     from anthropic import Anthropic
     from openai import OpenAI
 
@@ -193,9 +194,45 @@ def test_the_model_s_thinking_comes_apart_from_its_answer(fleet, thinking_gatewa
         final = stream.get_final_message()
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in blocks]
 
+
+
+def test_a_constrained_reply_thinks_first(fleet, thinking_gateway):
+    """With a reasoning parser a constraint holds from the end of the thinking, as vLLM's:
+    taught to think before a JSON answer, the model thinks as it does unconstrained and its
+    answer is the JSON it writes unconstrained, through `response_format` and a named tool
+    on chat and a JSON schema on the Responses API. Forced from the first token (no parser),
+    the same constraint leaves no room to think."""
+    from openai import OpenAI
+
+    from tests.test_structured_output import THINKING
+
+    ask = {"messages": THINKING, "max_tokens": 40, "temperature": 0}
+    raw = httpx.post(fleet["url"] + "/v1/chat/completions", json=ask,
+                     timeout=120).json()["choices"][0]["message"]["content"]
+    thought, answer = Reasoning.split(raw)
+    assert thought and isinstance(json.loads(answer), dict)
+    forced = httpx.post(fleet["url"] + "/v1/chat/completions", timeout=120, json={
+        **ask, "response_format": {"type": "json_object"}}).json()["choices"][0]["message"]
+    assert "<think>" not in forced["content"]
+
+    client = OpenAI(base_url=thinking_gateway + "/v1", api_key="none")
     shaped = client.chat.completions.create(model=MODEL, response_format={
-        "type": "json_object"}, **{**ask, "max_tokens": 24}).choices[0].message
-    assert getattr(shaped, "reasoning", None) is None and shaped.content.lstrip().startswith("{")
+        "type": "json_object"}, **ask).choices[0].message
+    assert shaped.reasoning == thought and json.loads(shaped.content) == json.loads(answer)
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}},
+              "required": ["answer"]}
+    called = client.chat.completions.create(model=MODEL, **ask, tools=[
+        {"type": "function", "function": {"name": "give_answer", "parameters": schema}}],
+        tool_choice={"type": "function", "function": {"name": "give_answer"}}).choices[0]
+    (call,) = called.message.tool_calls
+    assert called.message.reasoning == thought and called.message.content is None
+    assert json.loads(call.function.arguments) == json.loads(answer)
+    response = client.responses.create(
+        model=MODEL, input=THINKING[1:], instructions=THINKING[0]["content"],
+        max_output_tokens=40, temperature=0,
+        text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
+    assert [o.type for o in response.output] == ["reasoning", "message"]
+    assert json.loads(response.output_text) == json.loads(answer)
 
 
 def test_shoal_chat_shows_the_thinking_apart(fleet, thinking_gateway):

@@ -182,6 +182,49 @@ def test_a_resumed_request_goes_on_as_if_never_moved(engine, tokenizer):
     assert out.finish_reason == "error" and "do not match" in out.error
 
 
+# Two examples that make SmolLM2 think in `<think>` tags before a JSON answer.
+THINKING = [
+    {"role": "system", "content": "Think step by step inside <think></think>, then answer in "
+                                  "JSON."},
+    *[m for a, b in ((2, 3), (4, 4)) for m in (
+        {"role": "user", "content": f"What is {a} plus {b}?"},
+        {"role": "assistant", "content": f"<think>{a} plus {b} is {a + b}.</think>\n"
+                                         f'{{"answer": {a + b}}}'})],
+    {"role": "user", "content": "What is 6 plus 1?"},
+]
+
+
+def test_a_constraint_after_the_thinking_leaves_the_thinking_free(engine, tokenizer):
+    """With `structured_output_after` the tokens up to the end of the thinking are the free
+    run's, token for token, and what follows matches the constraint; forced from the first
+    token, the same constraint leaves no room to think. A request resumed past the end of
+    its thinking goes on as if never moved; one resumed before it, too."""
+    from worker.structured_output import constrained_from
+
+    assert constrained_from([5, 1, 2, 7], [1, 2]) == 3 and constrained_from([5, 1], [1, 2]) is None
+    assert constrained_from([5], []) == 0
+    ids = list(tokenizer.apply_chat_template(THINKING, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"])
+    end = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+    free = generate(engine, [NewRequest("r", ids, SamplingParams(max_tokens=40,
+                                                                 temperature=0.0))])["r"]
+    thought_end = constrained_from(free.token_ids, end)
+    assert thought_end is not None  # the model thought, and closed its thinking in those tokens
+    params = SamplingParams(max_tokens=40, temperature=0.0, structured_output=JSON_OBJECT,
+                            structured_output_after=end)
+    out = generate(engine, [NewRequest("r", ids, params)])["r"]
+    assert out.finish_reason == "stop" and out.token_ids[:thought_end] == \
+        free.token_ids[:thought_end]
+    answer = tokenizer.decode(out.token_ids[thought_end:], skip_special_tokens=True)
+    assert isinstance(json.loads(answer), dict)
+    forced, _, _ = _run(engine, ids, JSON_OBJECT, max_tokens=40)
+    assert "<think>" not in tokenizer.decode(forced)
+    for k in (thought_end - 2, thought_end + 3):
+        rest = generate(engine, [NewRequest("r", ids, params,
+                                            output_token_ids=out.token_ids[:k])])["r"]
+        assert out.token_ids[:k] + rest.token_ids == out.token_ids
+
+
 def test_a_complete_constraint_ends_the_request_before_min_tokens(engine, tokenizer):
     ids = _chat_ids(tokenizer, "Name a big city.")
     tokens, reason, _ = _run(engine, ids, StructuredOutput("choice", json.dumps(CITIES)),

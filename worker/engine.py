@@ -33,6 +33,7 @@ from worker.structured_output import (
     InvalidStructuredOutput,
     PendingMasks,
     advance,
+    constrained_from,
 )
 
 __all__ = ["Engine", "InvalidRequestError", "KVCacheFullError", "Sequence"]
@@ -69,7 +70,8 @@ class Sequence:
         draft_token_ids: speculative tokens proposed for it in this iteration (checked by the
             forward pass after its last token; empty between iterations).
         matcher: with a `structured_output`, its llguidance matcher after the tokens generated
-            so far (worker.structured_output); else None.
+            so far (worker.structured_output); else None, and None while the constraint has
+            not started (`structured_output_after`).
         bad_words: its `bad_words_token_ids` by the token before their last (None for words of
             one token), so that a step looks only at the words the last token may be part of
             (`_bad_word_ends`); None without bad words.
@@ -270,9 +272,11 @@ class Engine:
             seq.bad_words = _bad_word_index(p.bad_words_token_ids)
         while overflow and seq.context_len >= self.max_model_len:  # a migrated long request
             seq.num_discarded += self.n_discard(p)
-        if p.structured_output is not None:
+        start = constrained_from(req.output_token_ids, p.structured_output_after)
+        if p.structured_output is not None and start is not None:
             try:
-                seq.matcher = self.grammars.matcher(p.structured_output, req.output_token_ids)
+                seq.matcher = self.grammars.matcher(p.structured_output,
+                                                    req.output_token_ids[start:])
             except InvalidStructuredOutput as e:
                 raise InvalidRequestError(f"request {req.request_id}: {e}") from e
         self.running[req.request_id] = seq
@@ -460,7 +464,7 @@ class Engine:
         `max_tokens` or the window (the tokens a pass yields are drafts kept plus one), and none
         for requests that overflow the window (their blocks shift in place) or have a structured
         output (a draft is checked against the model, not against the constraint)."""
-        if s.params.context_overflow != "error" or s.matcher is not None:
+        if s.params.context_overflow != "error" or s.params.structured_output is not None:
             return
         room = min(spec.num_speculative_tokens, s.params.max_tokens - s.num_output_tokens - 1,
                    self.max_model_len - s.context_len - 1)
@@ -573,6 +577,11 @@ class Engine:
                 if reason is None and s.matcher is not None:
                     try:
                         reason = "stop" if advance(s.matcher, tok) else None
+                    except InvalidStructuredOutput as e:
+                        reason, error = "error", str(e)
+                elif reason is None and self._constraint_starts(s):
+                    try:  # the thinking is over: the constraint holds from the next token
+                        s.matcher = self.grammars.matcher(s.params.structured_output, [])
                     except InvalidStructuredOutput as e:
                         reason, error = "error", str(e)
                 outputs.append(TokenOutput(s.request_id, tok, index, lp, reason, error=error,
@@ -691,6 +700,14 @@ class Engine:
                 logits[i, banned] = float("-inf")
                 changed = True
         return changed
+
+    @staticmethod
+    def _constraint_starts(s: Sequence) -> bool:
+        """Whether the token just sampled ends the free stretch before a request's constraint
+        (`SamplingParams.structured_output_after`)."""
+        after = s.params.structured_output_after
+        return (s.params.structured_output is not None and s.matcher is None and bool(after)
+                and s.num_output_tokens >= len(after) and tuple(s.token_ids[-len(after):]) == after)
 
     def _finish_reason(self, s: Sequence, tok: int) -> str | None:
         p = s.params

@@ -6,7 +6,9 @@ tokens that can continue the text toward a match (a bitmask, one bit a vocabular
 computed while the forward pass runs (`prepare`), and the row's other logits become -inf
 (`apply`); the sampled token then advances the matcher. When the
 constraint is complete and nothing can follow (`is_stopped`), the request finishes, as it would
-at its end-of-sequence token, the only token the mask would allow next.
+at its end-of-sequence token, the only token the mask would allow next. A request whose
+constraint starts after given tokens (a reasoning model's end of thinking) gets its matcher
+once its output holds them (`constrained_from`).
 
 The tokenizer llguidance reads (every token's bytes) is built from the model's `tokenizer.json`
 once per worker, in a background thread started with the engine, so neither start-up nor the
@@ -167,6 +169,20 @@ class PendingMasks:
     rows: torch.Tensor
     bitmask: torch.Tensor
     done: Future
+
+
+def constrained_from(output_token_ids: Sequence[int], after: Sequence[int]) -> int | None:
+    """Where a request's constrained output begins (`SamplingParams.structured_output_after`):
+    0 without `after`; else just past the first place the output holds `after`; None while it
+    does not yet (a reasoning model still thinking)."""
+    n = len(after)
+    if not n:
+        return 0
+    after = list(after)
+    for end in range(n, len(output_token_ids) + 1):
+        if list(output_token_ids[end - n:end]) == after:
+            return end
+    return None
 
 
 def advance(matcher, token: int) -> bool:
