@@ -21,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Annotated, Any, Literal
 
 import redis
@@ -997,6 +998,9 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                     continue
                 c.text += piece
                 c.ids += ev.token_ids
+                if ps[i].reasoning is not None:  # counts the thinking's tokens
+                    ps[i].reasoning.feed(i, piece, ev.finish_reason is not None,
+                                         len(ev.token_ids))
                 c.logprobs += ev.logprobs
                 c.tops += ev.top_logprobs or []
                 c.last = ev
@@ -1008,11 +1012,13 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
 
     async def _chunks(prompts: list[Prepared], ps: list[Prepared], base: dict, req: GenerationRequest,
                       choice: Callable[[int, str, TokenEvent], dict],
-                      first: Callable[[int], dict] | None = None) -> AsyncIterator[ChunkGroup]:
+                      first: Callable[[int], dict] | None = None,
+                      usage: Callable[..., dict] | None = None) -> AsyncIterator[ChunkGroup]:
         """The stream's chunks, grouped as `EventStream` writes them: `choice(index, text,
         event)` shapes each one (completions and chat differ only there), `first(index)` opens
         each choice; a failure becomes an error object and ends the stream; the event that ends
-        the last open choice ends it too, with usage over all choices if asked for. `choice`
+        the last open choice ends it too, with usage over all choices if asked for (`usage` of
+        the last events, `_usage` by default). `choice`
         may return None for an event that makes no chunk (prompt logprobs still coming). With
         vLLM's `continuous_usage_stats`, each chunk carries its choice's usage so far."""
         options = req.stream_options
@@ -1046,8 +1052,8 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                     else []
                 if len(last) == len(ps):
                     if req.stream_options and req.stream_options.include_usage:
-                        group.append({**base, "choices": [],
-                                      "usage": _usage(prompts, *(last[k] for k in sorted(last)))})
+                        group.append({**base, "choices": [], "usage": (usage or partial(
+                            _usage, prompts))(*(last[k] for k in sorted(last)))})
                     yield group, True
                     return
                 if group:
@@ -1140,6 +1146,13 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                 _token_name(p.model, req.return_tokens_as_token_ids), ids, lps, tops)}
 
         tools, reasoning = p.tools, p.reasoning
+
+        def usage(*last: TokenEvent) -> dict[str, Any]:
+            counts = _usage(prompts, *last)
+            if reasoning is not None:  # the choices' thinking, counted as it came
+                counts["completion_tokens_details"] = {"reasoning_tokens": sum(
+                    q.reasoning.thinking_tokens(i) for i, q in enumerate(ps))}
+            return counts
         if req.stream:
             texts = [""] * len(ps)  # each choice's content so far (tool calls are built from it)
 
@@ -1147,7 +1160,8 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                 reason = _finish(ev)
                 delta: dict[str, Any] = {}
                 if reasoning is not None:  # the thinking goes first, the rest is content
-                    thought, piece = reasoning.feed(i, piece, reason is not None)
+                    thought, piece = reasoning.feed(i, piece, reason is not None,
+                                                    len(ev.token_ids))
                     if thought:
                         delta = _reasoning_fields(thought)
                 if tools is not None:
@@ -1161,7 +1175,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                         "finish_reason": reason}
             return EventStream(_chunks(prompts, ps, base, req, chunk, first=lambda i: {
                 **base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                     "finish_reason": None}]}))
+                                     "finish_reason": None}]}, usage=usage))
         done = await _collect(ps)
 
         def choice(i: int, c: _Choice) -> dict[str, Any]:
@@ -1184,7 +1198,7 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                            if req.prompt_logprobs is not None else {})
         return {**base, "object": "chat.completion",
                 "choices": [choice(i, c) for i, c in enumerate(done)], **prompt_logprobs,
-                "usage": _usage(prompts, *(c.last for c in done))}
+                "usage": usage(*(c.last for c in done))}
 
     @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat(req: ChatRequest, request: Request):

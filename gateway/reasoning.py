@@ -68,11 +68,20 @@ class Reasoning:
         reasoning, ended, content = body.partition(END)
         return reasoning or None, (content or None) if ended else None
 
-    def feed(self, choice: int, piece: str, finished: bool) -> tuple[str, str]:
-        """A choice's next text `piece` as (reasoning, content) to send: reasoning until
-        `</think>`, content after it; what could still begin a tag is held back until the next
-        piece tells, or the choice finishes. Joined, the pieces are `split`'s parts."""
-        return self._readers.setdefault(choice, _Reader()).feed(piece, finished)
+    def feed(self, choice: int, piece: str, finished: bool, tokens: int = 0) -> tuple[str, str]:
+        """A choice's next text `piece` (of `tokens` tokens) as (reasoning, content) to send:
+        reasoning until `</think>`, content after it; what could still begin a tag is held
+        back until the next piece tells, or the choice finishes. Joined, the pieces are
+        `split`'s parts."""
+        return self._readers.setdefault(choice, _Reader()).feed(piece, finished, tokens)
+
+    def thinking_tokens(self, choice: int) -> int:
+        """How many of a choice's tokens so far were thinking (usage's `reasoning_tokens`):
+        those of every piece fed before the answer began, the one that ended the thinking
+        included. Exact when each piece is one token (`--stream-interval 1`); with several,
+        the answer's first tokens in the piece that ends the thinking count too."""
+        reader = self._readers.get(choice)
+        return reader.thinking_tokens if reader is not None else 0
 
 
 @dataclass
@@ -82,11 +91,13 @@ class _Reader:
     text: str = ""
     reasoning_sent: int = 0
     content_from: int | None = None  # where the content begins in `text`, once `</think>` has
+    thinking_tokens: int = 0  # tokens fed before the content began
 
-    def feed(self, piece: str, finished: bool) -> tuple[str, str]:
+    def feed(self, piece: str, finished: bool, tokens: int) -> tuple[str, str]:
         self.text += piece
         if self.content_from is not None:
             return "", piece
+        self.thinking_tokens += tokens
         stripped = self.text.lstrip()
         if not finished and START.startswith(stripped) and stripped != START:
             return "", ""  # blank, or what could still be the opening tag

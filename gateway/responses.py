@@ -419,7 +419,8 @@ class ResponseShape:
                 "input_tokens": usage["prompt_tokens"],
                 "input_tokens_details": usage["prompt_tokens_details"],
                 "output_tokens": usage["completion_tokens"],
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": self.reasoning.thinking_tokens(0)
+                                          if self.reasoning is not None else 0},
                 "total_tokens": usage["total_tokens"]},
         }
 
@@ -605,7 +606,8 @@ class ResponseShape:
             async for piece, ev in stream:
                 text += piece
                 if self.reasoning is not None:  # the thinking, then the answer's `piece`
-                    more, piece = self.reasoning.feed(0, piece, ev.finish_reason is not None)
+                    more, piece = self.reasoning.feed(0, piece, ev.finish_reason is not None,
+                                                      len(ev.token_ids))
                     group += thinking(more, bool(piece))
                     if waiting is not None and piece:
                         group += opened(0, waiting)

@@ -141,41 +141,52 @@ def thinking_gateway(fleet):
         yield url
 
 
-def test_the_model_s_thinking_comes_apart_from_its_answer(fleet, thinking_gateway):
+def test_the_model_s_thinking_comes_apart_from_its_answer(fleet, thinking_gateway,
+                                                          tokenizer):
     """Through the fleet, greedy: the reply a gateway without a parser returns whole comes
     from the parser's gateway as `reasoning` (and `reasoning_content`) and `content`, the two
-    parts of that same text, streamed or not; through the Responses API as a reasoning item
-    and the message, which go back as input; through the Messages API as a thinking block
-    and the text."""
+    parts of that same text, streamed or not, with usage's `reasoning_tokens` the tokens up
+    to the one that ends `</think>`; through the Responses API as a reasoning item and the
+    message, which go back as input; through the Messages API as a thinking block and the
+    text."""
     from anthropic import Anthropic
     from openai import OpenAI
 
     messages = [{"role": "system", "content": THINK}, *ASKED]
     ask = {"messages": messages, "max_tokens": 40, "temperature": 0}
-    raw = httpx.post(fleet["url"] + "/v1/chat/completions", json=ask,
-                     timeout=120).json()["choices"][0]["message"]["content"]
+    plain = httpx.post(fleet["url"] + "/v1/chat/completions", timeout=120, json={
+        **ask, "logprobs": True, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    raw = plain["message"]["content"]
     thought, answer = Reasoning.split(raw)
     assert raw.startswith("<think>") and thought and answer  # the model did think aloud
+    ids = [int(t["token"].removeprefix("token_id:")) for t in plain["logprobs"]["content"]]
+    thinking = next(m for m in range(len(ids) + 1) if "</think>" in tokenizer.decode(ids[:m]))
 
     client = OpenAI(base_url=thinking_gateway + "/v1", api_key="none")
-    message = client.chat.completions.create(model=MODEL, **ask).choices[0].message
+    reply = client.chat.completions.create(model=MODEL, **ask)
+    message = reply.choices[0].message
     assert (message.reasoning, message.reasoning_content, message.content) == \
         (thought, thought, answer)
-    chunks = list(client.chat.completions.create(model=MODEL, stream=True, **ask))
+    assert reply.usage.completion_tokens_details.reasoning_tokens == thinking
+    chunks = list(client.chat.completions.create(model=MODEL, stream=True, **ask,
+                                                 stream_options={"include_usage": True}))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     streamed = "".join(getattr(d, "reasoning", None) or "" for d in deltas)
     assert streamed == thought and "".join(d.content or "" for d in deltas) == answer
     assert len([d for d in deltas if getattr(d, "reasoning", None)]) > 1
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == thinking
 
     asked = {"model": MODEL, "instructions": THINK, "max_output_tokens": 40, "temperature": 0}
     response = client.responses.create(input=ASKED, **asked)
-    item, reply = response.output
+    item, _ = response.output
     assert item.type == "reasoning" and item.content[0].text == thought
     assert response.output_text == answer
+    assert response.usage.output_tokens_details.reasoning_tokens == thinking
     events = list(client.responses.create(input=ASKED, stream=True, **asked))
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == \
         thought
     assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == thinking
     # The output goes back as input, its reasoning left out of the prompt, or by its id.
     more = [*ASKED, *[o.model_dump(exclude_none=True) for o in response.output],
             {"role": "user", "content": "And 2 plus 2?"}]
