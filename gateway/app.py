@@ -1265,8 +1265,12 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
             return TypedEventStream(shape.events(gw.run(p), lambda last: _usage([p], last),
                                                  lambda response: keep(response, quiet=True)))
         done = (await _collect([p]))[0]
+        # The message's logprobs are its answer's: the thinking's tokens (a reasoning item's)
+        # are left out.
+        skip = p.reasoning.thinking_tokens(0) if p.reasoning is not None else 0
         response = shape.body(done.text, done.last, _usage([p], done.last),
-                              logprobs=_logprob_entries(name, done.ids, done.logprobs, done.tops)
+                              logprobs=_logprob_entries(name, done.ids[skip:],
+                                                        done.logprobs[skip:], done.tops[skip:])
                               if shape.logprobs else None)
         await keep(response)
         return response

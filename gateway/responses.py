@@ -386,7 +386,8 @@ class ResponseShape:
         progress (no `last` event yet), completed, incomplete (cut at `max_output_tokens` or
         the context window), cancelled (a background response's request cancelled: its output
         so far) or failed (an error event); `usage` as `gateway.app._usage` counts it;
-        `logprobs`, the message's tokens' (`logprobs` entries)."""
+        `logprobs`, the message's tokens' (`logprobs` entries; the thinking's are not the
+        message's)."""
         status, incomplete, error = "queued" if queued else "in_progress", None, None
         if last is not None:
             if last.finish_reason == "cancelled":
@@ -605,14 +606,17 @@ class ResponseShape:
         async with contextlib.aclosing(run) as stream:  # leaving early cancels the request
             async for piece, ev in stream:
                 text += piece
+                thought_tokens = False  # the event's tokens were thinking (no logprobs then)
                 if self.reasoning is not None:  # the thinking, then the answer's `piece`
+                    counted = self.reasoning.thinking_tokens(0)
                     more, piece = self.reasoning.feed(0, piece, ev.finish_reason is not None,
                                                       len(ev.token_ids))
+                    thought_tokens = self.reasoning.thinking_tokens(0) > counted
                     group += thinking(more, bool(piece))
                     if waiting is not None and piece:
                         group += opened(0, waiting)
                         waiting = None
-                if self.logprobs is not None and ev.token_ids:
+                if self.logprobs is not None and ev.token_ids and not thought_tokens:
                     entries = self.logprobs(ev)
                     logprobs += entries
                     pending += entries

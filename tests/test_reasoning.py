@@ -182,6 +182,13 @@ def test_the_model_s_thinking_comes_apart_from_its_answer(fleet, thinking_gatewa
     assert item.type == "reasoning" and item.content[0].text == thought
     assert response.output_text == answer
     assert response.usage.output_tokens_details.reasoning_tokens == thinking
+    for stream in (False, True):  # the message's logprobs are its answer's tokens, EOS too
+        scored = client.responses.create(input=ASKED, **asked, stream=stream,
+                                         include=["message.output_text.logprobs"])
+        if stream:
+            scored = list(scored)[-1].response
+        (text,) = scored.output[1].content
+        assert "".join(e.token for e in text.logprobs) == answer + tokenizer.eos_token
     events = list(client.responses.create(input=ASKED, stream=True, **asked))
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == \
         thought
