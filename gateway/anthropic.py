@@ -381,7 +381,7 @@ class MessageShape:
     def tool_use(self, k: int, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
         """Call `k`'s tool_use block (its id the same in the stream and the message)."""
         assert self.tools is not None
-        return {"type": "tool_use", "id": "toolu_" + self.tools.call_id(0, k)[5:],
+        return {"type": "tool_use", "id": "toolu_" + self.tools.call_id(0, k).removeprefix("call_"),
                 "name": name, "input": arguments}
 
     @staticmethod

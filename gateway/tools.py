@@ -14,8 +14,9 @@ tells which it did, as vLLM's `--enable-auto-tool-choice --tool-call-parser` (`P
 `llama3_json` a reply that is JSON calls, `{"name": ..., "parameters": {...}}`, several
 separated by `;`, after Llama 3.1's optional `<|python_tag|>`; `pythonic` a reply that is a
 Python list of calls with literal arguments, `[get_weather(city="Paris"), ...]` (Llama 3.2
-and 4). Without a parser the gateway refuses "auto", as vLLM does: nothing could tell a call
-from an answer.
+and 4); `mistral` a JSON array of calls after `[TOOL_CALLS]` (Mistral 7B v0.3, Nemo; their ids
+nine letters and digits, as Mistral's template wants them). Without a parser the gateway
+refuses "auto", as vLLM does: nothing could tell a call from an answer.
 """
 
 from __future__ import annotations
@@ -136,6 +137,75 @@ def _llama3_json_spans(text: str) -> list[tuple[int, int, bool]]:
     return [(len(text) - len(body), len(text), False)] if body.startswith("{") else []
 
 
+_TOOL_CALLS = "[TOOL_CALLS]"
+
+
+def _mistral_calls_start(text: str) -> tuple[int, int] | None:
+    """Where a Mistral reply's calls begin: (where the content ends, where their JSON array
+    begins), or None for a reply without calls (so far). The `[TOOL_CALLS]` marker is a
+    special token, so a reply detokenized without special tokens holds only the array, first;
+    a reply that opens with an array is read as one whatever follows, and one that may still
+    open with the marker (`[TO`) is no call yet."""
+    body = text.lstrip()
+    lead = len(text) - len(body)
+    if body.startswith(_TOOL_CALLS):
+        rest = body[len(_TOOL_CALLS):]
+        return lead, len(text) - len(rest.lstrip())
+    if body.startswith("[") and not _TOOL_CALLS.startswith(body):
+        return 0, lead
+    at = text.find(_TOOL_CALLS)
+    if at < 0 or not body or _TOOL_CALLS.startswith(body):
+        return None
+    rest = text[at + len(_TOOL_CALLS):]
+    return at, len(text) - len(rest.lstrip())
+
+
+def parse_mistral(text: str) -> tuple[list[tuple[str, str]] | None, str | None]:
+    """A reply in Mistral's tool-call format (Mistral 7B v0.3, Nemo), as `parse_hermes`
+    returns it: the text before `[TOOL_CALLS]` is content, the marker is followed by a JSON
+    array of `{"name": ..., "arguments": {...}}` calls (the array alone, first, where the
+    marker was left out as a special token). Anything else is all content."""
+    where = _mistral_calls_start(text)
+    if where is None:
+        return None, text
+    content, start = where
+    try:
+        body, end = json.JSONDecoder().raw_decode(text, start)
+    except ValueError:
+        return None, text
+    if not isinstance(body, list) or not body or text[end:].strip():
+        return None, text
+    calls = []
+    for call in body:
+        args = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) \
+            else None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) \
+                or not isinstance(args, dict | str):
+            return None, text
+        calls.append((call["name"], args if isinstance(args, str)
+                       else json.dumps(args, ensure_ascii=False)))
+    return calls, text[:content] if text[:content].strip() else None
+
+
+def _mistral_content_end(text: str) -> int:
+    where = _mistral_calls_start(text)
+    if where is not None:
+        return where[0]
+    if _TOOL_CALLS.startswith(text.lstrip()):  # blank, or the marker may still be coming
+        return 0
+    return len(text) - _held_back(text, _TOOL_CALLS)
+
+
+def _mistral_spans(text: str) -> list[tuple[int, int, bool]]:
+    where = _mistral_calls_start(text)
+    return [] if where is None else [(where[1], len(text), False)]
+
+
+def _mistral_call_id() -> str:
+    # Mistral's chat template takes only ids of nine letters and digits.
+    return uuid.uuid4().hex[:9]
+
+
 def parse_pythonic(text: str) -> tuple[list[tuple[str, str]] | None, str | None]:
     """A reply in the pythonic tool-call format (Llama 3.2 and 4), as `parse_hermes` returns
     it: the whole reply is a Python list of calls whose arguments are keywords with literal
@@ -177,17 +247,21 @@ class ToolCallParser:
             closed) spans that `CallReader` reads one after another, so that calls stream as
             they are written; None for a form that is not JSON (its calls come whole at the
             end).
+        call_id: a new call's id (the form the model's chat template takes back).
     """
 
     parse: Callable[[str], tuple[list[tuple[str, str]] | None, str | None]]
     content_end: Callable[[str], int]
     spans: Callable[[str], list[tuple[int, int, bool]]] | None = None
+    call_id: Callable[[], str] = lambda: f"call_{uuid.uuid4().hex[:24]}"
 
 
 PARSERS = {"hermes": ToolCallParser(parse_hermes, _hermes_content_end, _hermes_spans),
            "llama3_json": ToolCallParser(parse_llama3_json, _llama3_json_content_end,
                                          _llama3_json_spans),
-           "pythonic": ToolCallParser(parse_pythonic, _pythonic_content_end)}
+           "pythonic": ToolCallParser(parse_pythonic, _pythonic_content_end),
+           "mistral": ToolCallParser(parse_mistral, _mistral_content_end, _mistral_spans,
+                                     _mistral_call_id)}
 TOOL_CALL_PARSERS = tuple(PARSERS)
 
 
@@ -380,7 +454,7 @@ class ToolCalls:
         if choice == "auto" and parser is None:
             raise APIError('tool_choice "auto" (the default with tools) needs a tool-call '
                            'parser: start the gateway with --enable-auto-tool-choice '
-                           '--tool-call-parser (hermes, llama3_json or pythonic), or use '
+                           '--tool-call-parser (hermes, llama3_json, pythonic or mistral), or use '
                            '"required" or name a function '
                            '(tool calls are then structured outputs)', param="tool_choice")
         if req.structured_outputs is not None or (req.response_format is not None
@@ -414,7 +488,10 @@ class ToolCalls:
     def call_id(self, choice: int, k: int = 0) -> str:
         """The id of a choice's call `k` (the same in every chunk of a stream and in the
         finished reply)."""
-        return self._ids.setdefault((choice, k), f"call_{uuid.uuid4().hex[:24]}")
+        if (choice, k) not in self._ids:
+            self._ids[choice, k] = PARSERS[self.parser].call_id() if self.parser \
+                else f"call_{uuid.uuid4().hex[:24]}"
+        return self._ids[choice, k]
 
     def called(self, choice: int) -> bool:
         """Whether a choice's stream has sent a tool call."""

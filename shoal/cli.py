@@ -115,7 +115,8 @@ def _add_reply_parser_args(p: argparse.ArgumentParser) -> None:
                    help="hermes: <tool_call>{...}</tool_call> blocks (Hermes, Qwen; a JSON list "
                         "in a block, SmolLM2's form, too); llama3_json: a reply of JSON calls "
                         "separated by ';' (Llama 3.1); pythonic: a reply [f(a=1), g()] "
-                        "(Llama 3.2 and 4)")
+                        "(Llama 3.2 and 4); mistral: [TOOL_CALLS] and a JSON array of calls "
+                        "(Mistral 7B v0.3, Nemo)")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="split chat replies into the model's thinking (<think>...</think>: "
                         "`reasoning`, a Responses reasoning item, a Messages thinking block) and "
@@ -190,7 +191,7 @@ POLICIES = ["reserve", "ondemand", "request-level"]  # scheduler/core.py POLICIE
 ATTENTION_BACKENDS = ["auto", "torch", "triton"]  # worker/config.py ATTENTION_BACKENDS
 QUANTIZATIONS = ["none", "int8", "int4", "w8a8"]  # worker/config.py QUANTIZATIONS
 DTYPE_CHOICES = ["auto", "bfloat16", "float32"]  # worker/config.py DTYPE_CHOICES
-TOOL_CALL_PARSERS = ["hermes", "llama3_json", "pythonic"]  # gateway/tools.py's
+TOOL_CALL_PARSERS = ["hermes", "llama3_json", "pythonic", "mistral"]  # gateway/tools.py's
 REASONING_PARSERS = ["deepseek_r1", "qwen3"]  # gateway/reasoning.py's
 
 

@@ -202,6 +202,36 @@ def test_llama3_json_replies_are_calls_or_content(text, calls):
     assert parse_llama3_json(text) == (calls, None if calls else text)
 
 
+MISTRAL_REPLIES = [
+    ('[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}]', [("f", '{"a": 1}')], None),
+    ('Let me look.[TOOL_CALLS][{"name": "f", "arguments": {"x": "é"}}, {"name": "g", '
+     '"arguments": {}}]', [("f", '{"x": "é"}'), ("g", "{}")], "Let me look."),
+    ('[{"name": "f", "arguments": {"a": [1]}}]', [("f", '{"a": [1]}')], None),  # marker skipped
+    ("Paris is sunny [1].", None, "Paris is sunny [1]."),
+    ("[1] is a citation.", None, "[1] is a citation."),
+    ('[TOOL_CALLS][{"name": "f", "argum', None, '[TOOL_CALLS][{"name": "f", "argum'),
+    ('[TOOL_CALLS][{"arguments": {}}]', None, '[TOOL_CALLS][{"arguments": {}}]'),
+]
+
+
+@pytest.mark.parametrize(("text", "calls", "content"), MISTRAL_REPLIES)
+def test_mistral_replies_are_calls_or_content(text, calls, content):
+    from gateway.tools import parse_mistral
+
+    assert parse_mistral(text) == (calls, content)
+
+
+def test_mistral_call_ids_are_the_nine_characters_its_template_takes():
+    from gateway.schemas import ChatRequest
+
+    tools = ToolCalls.of(ChatRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS),
+                         "mistral")
+    (call,), _ = tools.message(0, '[TOOL_CALLS][{"name": "get_time", "arguments": {}}]')
+    assert len(call["id"]) == 9 and call["id"].isalnum()
+    assert len(ToolCalls.of(ChatRequest(messages=[{"role": "user", "content": "x"}],
+                                        tools=TOOLS), "hermes").call_id(0)) == 29
+
+
 @pytest.mark.parametrize(("text", "calls"), [
     ('[get_weather(city="Paris", days=2)]', [("get_weather", '{"city": "Paris", "days": 2}')]),
     (" [f(a=[1, 2], b={'k': None}), g()] ", [("f", '{"a": [1, 2], "b": {"k": null}}'),
@@ -255,7 +285,8 @@ def _auto(parser: str) -> ToolCalls:
 
 AUTO_CALLS = [("hermes", text, calls, content) for text, calls, content in HERMES_REPLIES
               if calls] + [("llama3_json", text, calls, None)
-                           for text, calls in LLAMA3_JSON_REPLIES if calls]
+                           for text, calls in LLAMA3_JSON_REPLIES if calls] + \
+    [("mistral", text, calls, content) for text, calls, content in MISTRAL_REPLIES if calls]
 
 
 @pytest.mark.parametrize(("parser", "text", "calls", "content"), AUTO_CALLS)
@@ -562,33 +593,41 @@ def test_auto_reads_the_calls_the_model_chose_to_make(fleet, auto_gateway):
     assert [(b.type, b.text) for b in final.content] == [("text", whole.text)]
 
 
-def test_the_pythonic_parser_reads_the_calls_the_model_chose_to_make(fleet):
-    """A gateway with `--tool-call-parser pythonic`: taught the form by two examples, the real
-    model answers a weather question with `[get_weather(city="Paris")]`, which comes back as a
-    call, streamed or not; a question no tool serves gets its answer as content."""
+@pytest.mark.parametrize(("parser", "form", "call"), [
+    ("pythonic", "a Python list of calls: [name(arg=value)]", '[get_weather(city="{}")]'),
+    ("mistral", '[TOOL_CALLS] and a JSON list of calls: [{{"name": ..., "arguments": {{...}}}}]',
+     '[TOOL_CALLS][{{"name": "get_weather", "arguments": {{"city": "{}"}}}}]'),
+])
+def test_the_reply_level_parsers_read_the_calls_the_model_chose_to_make(fleet, parser, form,
+                                                                         call):
+    """A gateway with `--tool-call-parser pythonic` or `mistral`: taught the form by two
+    examples, the real model answers a weather question with a call, which comes back as a
+    call, streamed or not (a mistral call as it is written, a pythonic one whole); a
+    question no tool serves gets its answer as content."""
     from openai import OpenAI
 
-    few = [{"role": "system", "content": "You call functions. To call one, reply with a Python "
-                                         "list of calls: [name(arg=value)]."}]
+    few = [{"role": "system", "content": "You call functions. To call one, reply with "
+                                         + form.format() + "."}]
     for city in ("Rome", "Berlin"):
         few += [{"role": "user", "content": f"What is the weather like in {city}?"},
-                {"role": "assistant", "content": f'[get_weather(city="{city}")]'}]
+                {"role": "assistant", "content": call.format(city)}]
     asked = [*few, {"role": "user", "content": "What is the weather like in Paris?"}]
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}]
     with extra_gateway(fleet, "--enable-auto-tool-choice", "--tool-call-parser",
-                       "pythonic") as url:
+                       parser) as url:
         client = OpenAI(base_url=url + "/v1", api_key="none")
         ask = dict(model="SmolLM2-135M-Instruct", tools=tools, max_tokens=30, temperature=0)
         choice = client.chat.completions.create(messages=asked, **ask).choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
-        (call,) = choice.message.tool_calls
-        assert call.function.name == "get_weather"
-        assert json.loads(call.function.arguments) == {"city": "Paris"}
+        (made,) = choice.message.tool_calls
+        assert made.function.name == "get_weather"
+        assert json.loads(made.function.arguments) == {"city": "Paris"}
         chunks = [c for c in client.chat.completions.create(messages=asked, stream=True, **ask)
                   if c.choices]
-        (streamed,) = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
-        assert streamed.function.arguments == call.function.arguments
+        pieces = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+        assert {t.index for t in pieces} == {0} and (len(pieces) > 1) == (parser == "mistral")
+        assert "".join(t.function.arguments or "" for t in pieces) == made.function.arguments
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
         answer = client.chat.completions.create(
             messages=[{"role": "user", "content": "Name three colors."}], **ask).choices[0]
@@ -691,7 +730,8 @@ def _last(text: str, reason: str):
 
 
 # Pieces of replies, well formed or not, that random replies are made of.
-FRAGMENTS = ["<tool_call>", "</tool_call>", "<think>", "</think>", '{"name": "get_time"',
+FRAGMENTS = ["<tool_call>", "</tool_call>", "<think>", "</think>", "[TOOL_CALLS]",
+             '{"name": "get_time"',
              ', "arguments": ', '{"timezone": "UTC"}', "}", "{", "[", "]", '"', "\\", ":", ",",
              ";", " ", "\n", "hello", "<", "</", "<tool", '"name"', '"parameters"',
              '{"a": [1, {"b": "}"}]}', "<|python_tag|>", '"x\\"y"']
@@ -724,7 +764,7 @@ def test_any_reply_streams_as_the_finished_reply_has_it(seed):
         pass
     for _ in range(100):
         text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 14)))
-        parser = rng.choice(["hermes", "llama3_json", "pythonic"])
+        parser = rng.choice(["hermes", "llama3_json", "pythonic", "mistral"])
         tools = ToolCalls.of(chat, parser)
         streamed, joined = _joined(_stream(tools, text, None, rng.randrange(1 << 30)))
         calls, content = tools.message(0, text)
