@@ -38,6 +38,19 @@ _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(_OPEN) + r"(.*?)(?:" + re.escape(_CLOSE) + r"|\Z)", re.S)
 
 
+def _json_call(call: Any, keys: tuple[str, str] = ("arguments", "parameters")
+               ) -> tuple[str, str] | None:
+    """A parsed JSON call object as (name, arguments as JSON text): its arguments under the
+    first of `keys` it has (an object, or a string that holds them), none meaning `{}`; None
+    for what is no call."""
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    args = call.get(keys[0], call.get(keys[1], {}))
+    if not isinstance(args, dict | str):
+        return None
+    return call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
 def parse_hermes(text: str) -> tuple[list[tuple[str, str]] | None, str | None]:
     """A reply in the Hermes tool-call format, as (calls, content): each call a (name,
     arguments as JSON text) pair, in order; the content is the text before the first
@@ -54,11 +67,9 @@ def parse_hermes(text: str) -> tuple[list[tuple[str, str]] | None, str | None]:
         except ValueError:
             return None, text
         for call in body if isinstance(body, list) else [body]:
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            if (parsed := _json_call(call)) is None:
                 return None, text
-            args = call.get("arguments", call.get("parameters", {}))
-            calls.append((call["name"], args if isinstance(args, str)
-                          else json.dumps(args, ensure_ascii=False)))
+            calls.append(parsed)
     if not calls:
         return None, text
     content = text[:start]
@@ -110,13 +121,9 @@ def parse_llama3_json(text: str) -> tuple[list[tuple[str, str]] | None, str | No
             call, at = decoder.raw_decode(body, at)
         except ValueError:
             return None, text
-        args = call.get("parameters", call.get("arguments", {})) if isinstance(call, dict) \
-            else None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) \
-                or not isinstance(args, dict | str):
+        if (parsed := _json_call(call, ("parameters", "arguments"))) is None:
             return None, text
-        calls.append((call["name"], args if isinstance(args, str)
-                       else json.dumps(args, ensure_ascii=False)))
+        calls.append(parsed)
         while at < len(body) and body[at] in "; \t\r\n":
             at += 1
     return calls, None
@@ -175,15 +182,9 @@ def parse_mistral(text: str) -> tuple[list[tuple[str, str]] | None, str | None]:
         return None, text
     if not isinstance(body, list) or not body or text[end:].strip():
         return None, text
-    calls = []
-    for call in body:
-        args = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) \
-            else None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) \
-                or not isinstance(args, dict | str):
-            return None, text
-        calls.append((call["name"], args if isinstance(args, str)
-                       else json.dumps(args, ensure_ascii=False)))
+    calls = [_json_call(call) for call in body]
+    if None in calls:
+        return None, text
     return calls, text[:content] if text[:content].strip() else None
 
 
