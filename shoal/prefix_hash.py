@@ -34,6 +34,15 @@ def block_hashes(token_ids: list[int], block_size: int, salt: str | None = None,
     return out
 
 
+def prefix_salt(params: SamplingParams) -> str | None:
+    """What keeps a request's cached blocks apart from others' (`block_hashes`' salt): its
+    `cache_salt`, and its LoRA adapter, whose K/V differ from the base model's for the same
+    tokens."""
+    if params.lora_name is None:
+        return params.cache_salt
+    return f"{params.cache_salt or ''}\0lora\0{params.lora_name}"
+
+
 def lookup_hashes(token_ids: list[int], block_size: int, params: SamplingParams) -> list[bytes]:
     """The keys a request is looked up by when it starts: its full blocks but the one holding
     its last token (whose logits it needs, so that token is always computed); none for a
@@ -42,4 +51,4 @@ def lookup_hashes(token_ids: list[int], block_size: int, params: SamplingParams)
     if params.context_overflow != "error":
         return []
     full = (len(token_ids) - 1) // block_size * block_size
-    return block_hashes(token_ids[:full], block_size, params.cache_salt)
+    return block_hashes(token_ids[:full], block_size, prefix_salt(params))

@@ -84,6 +84,8 @@ class SamplingParams:
             to where the output first ends with them are free (a reasoning model's thinking,
             up to its `</think>`; vLLM's structured outputs with a reasoning parser); empty:
             the constraint holds from the first token.
+        lora_name: the LoRA adapter the request runs with (one its worker loaded with
+            `--lora-modules`); None runs the base model.
     """
 
     max_tokens: int = 16
@@ -110,6 +112,7 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
     structured_output: StructuredOutput | None = None
     structured_output_after: tuple[int, ...] = field(default_factory=tuple)
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -152,6 +155,8 @@ class SamplingParams:
             raise InvalidSamplingParams(f"n_discard must be >= 1, got {self.n_discard}")
         if self.cache_salt is not None and not self.cache_salt:
             raise InvalidSamplingParams("cache_salt must be a non-empty string when given")
+        if self.lora_name is not None and not self.lora_name:
+            raise InvalidSamplingParams("lora_name must be a non-empty string when given")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "allowed_token_ids",
                            tuple(int(t) for t in self.allowed_token_ids))

@@ -147,6 +147,8 @@ class EngineConfig:
             (and carry the same `cache_salt`) share those blocks' K/V instead of computing them
             again; blocks no request owns stay cached until evicted (worker.kv_cache).
         speculative: speculative decoding (SpeculativeConfig), None for none.
+        lora_modules: LoRA adapters served beside the model, as (name, PEFT directory) pairs
+            (worker.lora); requests name one in `SamplingParams.lora_name`.
         enforce_eager: run every iteration op by op; False (the default) replays CUDA graphs
             for decode iterations on a GPU (worker.cuda_graphs; no effect on the CPU).
     """
@@ -165,6 +167,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     speculative: SpeculativeConfig | None = None
     enforce_eager: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -19,12 +19,13 @@ from typing import Any
 import torch
 
 from shoal.messages import IterationPlan, IterationResult, NewRequest, TokenOutput
-from shoal.prefix_hash import block_hashes, lookup_hashes
+from shoal.prefix_hash import block_hashes, lookup_hashes, prefix_salt
 from shoal.sampling_params import SamplingParams
 from worker.attention import build_metadata
 from worker.config import EngineConfig, ModelConfig, SpeculativeConfig, default_device
 from worker.kv_cache import KVCache, KVCacheFullError
 from worker.loader import load_model
+from worker.lora import LoRAAdapter, LoRABatch, LoRAError, load_adapter
 from worker.model import LlamaModel
 from worker.sampler import Sampler, skip_draws
 from worker.speculative import propose_ngram
@@ -149,6 +150,12 @@ class Engine:
 
             self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, cfg.max_num_seqs,
                                               self.max_model_len)
+        # LoRA adapters by name (worker.lora), served beside the base model.
+        self.loras: dict[str, LoRAAdapter] = {}
+        if cfg.lora_modules and tp is not None:
+            raise LoRAError("LoRA adapters are not served with tensor parallelism")
+        for name, path in cfg.lora_modules:
+            self.loras[name] = load_adapter(name, Path(path), model_cfg, cfg.dtype, self.device)
         self.sampler = Sampler(kernels=self.model.kernels)
         self.grammars = GrammarMasks(model_path, model_cfg.vocab_size, model_cfg.eos_token_id,
                                      self.model.kernels)
@@ -272,6 +279,10 @@ class Engine:
             seq.bad_words = _bad_word_index(p.bad_words_token_ids)
         while overflow and seq.context_len >= self.max_model_len:  # a migrated long request
             seq.num_discarded += self.n_discard(p)
+        if p.lora_name is not None and p.lora_name not in self.loras:
+            raise InvalidRequestError(
+                f"request {req.request_id}: LoRA adapter {p.lora_name!r} is not loaded here "
+                f"({', '.join(self.loras) or 'none is'}; --lora-modules)")
         start = constrained_from(req.output_token_ids, p.structured_output_after)
         if p.structured_output is not None and start is not None:
             try:
@@ -330,7 +341,7 @@ class Engine:
         if full <= s.num_registered_blocks:
             return
         if s.block_hashes is None or len(s.block_hashes) < full:
-            s.block_hashes = block_hashes(s.token_ids[: full * bs], bs, s.params.cache_salt,
+            s.block_hashes = block_hashes(s.token_ids[: full * bs], bs, prefix_salt(s.params),
                                           s.block_hashes or [])
         for j in range(s.num_registered_blocks, full):
             self.kv_cache.allocator.register(s.block_table[j], s.block_hashes[j])
@@ -511,7 +522,8 @@ class Engine:
         masks = self.grammars.prepare([s.matcher for s, _ in samplers])
         tables, lens = [s.block_table for s in plain], [s.num_computed_tokens + 1 for s in plain]
         graphs = self.decode_graphs
-        if (graphs is not None and not chunks
+        lora = self._lora_batch(plain, chunks)
+        if (graphs is not None and not chunks and lora is None
                 and graphs.fits(len(plain), max((len(t) for t in tables), default=0))):
             hidden = graphs.run(ids, tables, lens)
         else:
@@ -526,7 +538,8 @@ class Engine:
                                           device=self.device))
             hidden = self.model.forward(torch.tensor(ids, device=self.device),
                                         torch.tensor(positions, device=self.device), meta,
-                                        self.kv_cache, out_rows)
+                                        self.kv_cache, out_rows,
+                                        **({} if lora is None else {"lora": lora}))
         for s in plain:
             s.num_computed_tokens += 1
         for s, c in prefills:
@@ -700,6 +713,21 @@ class Engine:
                 logits[i, banned] = float("-inf")
                 changed = True
         return changed
+
+    def _lora_batch(self, plain: list[Sequence], chunks: list[tuple[Sequence, int]]
+                    ) -> LoRABatch | None:
+        """The iteration's rows' adapters, in `_run`'s row order (plain decodes, then each
+        chunk's rows); None when no row has one."""
+        names = [s.params.lora_name for s in plain] + [s.params.lora_name for s, _ in chunks]
+        used = list(dict.fromkeys(n for n in names if n is not None))
+        if not used:
+            return None
+        index = {name: k for k, name in enumerate(used)}
+        rows = [index.get(s.params.lora_name, -1) for s in plain]
+        for s, c in chunks:
+            rows += [index.get(s.params.lora_name, -1)] * c
+        return LoRABatch([self.loras[n] for n in used],
+                         torch.tensor(rows, dtype=torch.long, device=self.device))
 
     @staticmethod
     def _constraint_starts(s: Sequence) -> bool:

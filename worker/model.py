@@ -42,6 +42,7 @@ from worker.linear import (
     vnni_matmul,
 )
 from worker.loader import Q4_LEVELS, Q4_SCALE_MIN, Weights
+from worker.lora import LoRABatch
 
 log = logging.getLogger(__name__)
 
@@ -288,6 +289,7 @@ class LlamaModel:
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
         kv_cache: KVCache, output_rows: torch.Tensor | None = None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """Run all layers over one iteration's flat batch.
 
@@ -301,6 +303,9 @@ class LlamaModel:
                 every layer; the last layer's output projection and MLP run only on these rows
                 (nothing reads the other rows' last-layer outputs): a prefill iteration of 2,048
                 rows saves 1/30 of SmolLM2's O and MLP work.
+            lora: the LoRA adapters of the rows (worker.lora), None when no row has one; an
+                iteration with them runs layer by layer, each projection's deltas added to its
+                adapters' rows (SwiGLU then unfused).
 
         Returns:
             Final hidden states `[num_tokens, hidden]` (or `[num_out, hidden]`) float32, before
@@ -309,7 +314,7 @@ class LlamaModel:
         cfg = self.cfg
         eps, dt, kern = cfg.rms_norm_eps, self.dtype, self.kernels
         x = F.embedding(input_ids, self.embed).float()  # the residual stream, float32
-        for max_rows, weights in self.stacks:
+        for max_rows, weights in self.stacks if lora is None else ():
             if x.shape[0] <= max_rows:
                 return torch.ops.shoal.decode_stack(
                     x, weights, kv_cache.k, kv_cache.v, positions, self.cos_sin,
@@ -319,18 +324,31 @@ class LlamaModel:
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             h = ops.add_rms_norm(x, delta, layer.attn_norm, eps, dt, kern)
-            a = self.attention.attend(layer.qkv(h), positions, self.cos_sin, kv_cache.k[i],
+            qkv = layer.qkv(h)
+            if lora is not None:
+                lora.add(qkv, h, i, "qkv")
+            a = self.attention.attend(qkv, positions, self.cos_sin, kv_cache.k[i],
                                       kv_cache.v[i], meta, self.scale, cfg.num_heads,
                                       cfg.num_kv_heads, cfg.head_dim)
             if i == last and output_rows is not None:
                 a, x = a[output_rows], x[output_rows]
                 if a.shape[0] == 0:
                     return x
+                lora = lora.rows(output_rows) if lora is not None else None
             o = layer.o(a)
+            if lora is not None:
+                lora.add(o, a, i, "o")
             if self.tp is not None:
                 self.tp.all_reduce(o)  # row-parallel: the ranks' partial sums
             h = ops.add_rms_norm(x, o, layer.mlp_norm, eps, dt, kern)
-            delta = layer.down(layer.gate_up.silu_and_mul(h))
+            if lora is None:
+                delta = layer.down(layer.gate_up.silu_and_mul(h))
+            else:
+                gate_up = layer.gate_up(h)
+                lora.add(gate_up, h, i, "gate_up")
+                m = ops.silu_and_mul(gate_up, kern)
+                delta = layer.down(m)
+                lora.add(delta, m, i, "down")
             if self.tp is not None:
                 self.tp.all_reduce(delta)
         if delta is not None:
