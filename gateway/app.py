@@ -299,7 +299,7 @@ class Gateway(RequestPreparation):
         self.queues[p.request_id] = q
         span = None if self.tracer is None else tracing.start_request_span(
             self.tracer, p.request_id, p.model.name, p.params, len(p.prompt_ids), p.priority)
-        sub = RequestSubmission(p.request_id, p.model.name, p.prompt_ids, p.params, time.time(),
+        sub = RequestSubmission(p.request_id, p.model.fleet_name, p.prompt_ids, p.params, time.time(),
                                 self.channel, p.priority,
                                 None if span is None else tracing.carrier_of(span))
         finished: TokenEvent | None = None  # the last event, once the request has one
@@ -956,10 +956,13 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                             status_code=200 if ok else 503)
 
     def model_card(name: str) -> dict[str, Any]:
-        """A model as vLLM lists it: OpenAI's fields, its file (`root`) and context window."""
+        """A model as vLLM lists it: OpenAI's fields, its file (`root`) and context window; a
+        LoRA adapter's `root` is its directory and its `parent` the base model."""
         model = gw.catalog.get(name)
+        root, parent = (str(model.path), None) if model.lora is None else \
+            (str(model.adapter_path), model.fleet_name)
         return {"id": name, "object": "model", "created": 0, "owned_by": "shoal",
-                "root": str(model.path), "parent": None, "max_model_len": model.max_model_len}
+                "root": root, "parent": parent, "max_model_len": model.max_model_len}
 
     @app.get("/v1/models", responses=error_responses(401))
     async def models():

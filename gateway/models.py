@@ -32,6 +32,8 @@ class ServedModel:
         chat_template: a Jinja template used instead of the model's own; None keeps it.
         tokenizer: the transformers tokenizer, once `load` has run.
         max_model_len: its context window in tokens, from its workers' heartbeats.
+        loras: the LoRA adapters its workers serve (`--lora-modules`), as (name, directory)
+            pairs: each is a model of the API too (`LoRAModel`).
     """
 
     names: tuple[str, ...]
@@ -39,6 +41,8 @@ class ServedModel:
     chat_template: str | None = None
     tokenizer: Any = None
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    loras: tuple[tuple[str, str], ...] = ()
+    lora = None  # the adapter a request for it runs with: none (`LoRAModel` has one)
 
     @classmethod
     def at(cls, model: str | None, names: tuple[str, ...] = (),
@@ -55,6 +59,11 @@ class ServedModel:
     @property
     def name(self) -> str:
         return self.names[0]
+
+    @property
+    def fleet_name(self) -> str:
+        """The name its workers advertise, which its requests are queued under."""
+        return self.name
 
     def load(self) -> None:
         """Load the tokenizer (blocking: seconds for a GGUF file not yet cached)."""
@@ -128,6 +137,33 @@ class ServedModel:
                            param="messages") from e
 
 
+class LoRAModel:
+    """A LoRA adapter of a served model, as the API names it: a model of its own to clients,
+    which has the base model's tokenizer, template and window, and whose requests run on the
+    base model's workers with the adapter (`SamplingParams.lora_name`), as vLLM serves
+    `--lora-modules`.
+
+    Args:
+        base: the model the adapter was trained on.
+        name: its name in the API (and the workers').
+        path: its PEFT directory (what `/v1/models` lists as its `root`).
+    """
+
+    def __init__(self, base: ServedModel, name: str, path: str) -> None:
+        self.base, self.names, self.lora, self.adapter_path = base, (name,), name, Path(path)
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    @property
+    def fleet_name(self) -> str:
+        return self.base.name
+
+    def __getattr__(self, attr: str) -> Any:  # the rest is the base model's
+        return getattr(self.base, attr)
+
+
 class ModelCatalog:
     """The models a gateway serves, by every name; the first is the default of a request that
     names none.
@@ -140,12 +176,13 @@ class ModelCatalog:
         if not models:
             raise ValueError("a gateway serves at least one model")
         self.models = list(models)
-        self._by_name: dict[str, ServedModel] = {}
-        for m in models:
+        self._by_name: dict[str, ServedModel | LoRAModel] = {}
+        for m in [*models, *(LoRAModel(m, name, path) for m in models for name, path in m.loras)]:
             for name in m.names:
                 if name in self._by_name:
                     raise ValueError(f"two models are named {name!r}; give them distinct "
-                                     "names (--served-model-name, or their files' names)")
+                                     "names (--served-model-name, --lora-modules, or their "
+                                     "files' names)")
                 self._by_name[name] = m
 
     @property
@@ -154,10 +191,10 @@ class ModelCatalog:
 
     @property
     def names(self) -> list[str]:
-        """Every name, each model's in order."""
-        return [n for m in self.models for n in m.names]
+        """Every name, each model's in order, then the LoRA adapters'."""
+        return list(self._by_name)
 
-    def get(self, name: str | None) -> ServedModel:
+    def get(self, name: str | None) -> ServedModel | LoRAModel:
         """The model a request names (None: the default).
 
         Raises:

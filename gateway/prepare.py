@@ -218,6 +218,8 @@ class RequestPreparation:
 
 def _prepared(model: ServedModel, request_id: str, ids: list[int], params: SamplingParams,
               req: GenerationRequest) -> Prepared:
+    if model.lora is not None:  # a LoRA adapter's request runs on its base model's workers
+        params = replace(params, lora_name=model.lora)
     return Prepared(model, request_id, ids, params, _stops(req.stop), req.priority,
                     req.include_stop_str_in_output, req.skip_special_tokens)
 

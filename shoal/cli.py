@@ -86,6 +86,33 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     _add_enforce_eager_arg(p)
     _add_prefix_caching_arg(p)
     _add_speculative_arg(p)
+    _add_lora_modules_arg(p)
+
+
+def _add_lora_modules_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) served beside the model, as vLLM's: "
+                        "a request names one as its model (give the gateway and the workers "
+                        "the same; shoal up does)")
+
+
+def _lora_modules(values: list[str] | None) -> tuple[tuple[str, str], ...]:
+    """`--lora-modules`' (name, directory) pairs.
+
+    Raises:
+        CLIError: a value that is not NAME=PATH, a path that is no directory, a name twice.
+    """
+    out: list[tuple[str, str]] = []
+    for value in values or ():
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise CLIError(f"--lora-modules: expected NAME=PATH, got {value!r}")
+        if not os.path.isdir(path):
+            raise CLIError(f"--lora-modules: {path} is not a directory (a PEFT adapter's)")
+        if name in dict(out):
+            raise CLIError(f"--lora-modules: {name!r} is given twice")
+        out.append((name, path))
+    return tuple(out)
 
 
 def _add_enforce_eager_arg(p: argparse.ArgumentParser) -> None:
@@ -282,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "default of requests that name none; default: SmolLM2)")
     _add_served_model_name_arg(gw)
     _add_chat_template_arg(gw)
+    _add_lora_modules_arg(gw)
     _add_reply_parser_args(gw)
     _add_tracing_arg(gw)
     gw.add_argument("--prefix", default="shoal", help="Redis key prefix")
@@ -333,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "model, one gateway for all (default: SmolLM2)")
     _add_served_model_name_arg(u)
     _add_chat_template_arg(u)
+    _add_lora_modules_arg(u)
     _add_reply_parser_args(u)
     _add_tracing_arg(u)
     u.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
@@ -474,6 +503,8 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
             argv.append(action.option_strings[0 if value else 1])
         elif action.nargs == 0:  # store_true
             argv.append(action.option_strings[0])
+        elif isinstance(value, list):
+            argv += [action.option_strings[0], *map(str, value)]
         else:
             argv += [action.option_strings[0], str(value)]
     return argv
@@ -492,7 +523,7 @@ def _engine_config(args: argparse.Namespace):
             max_model_len=args.max_model_len, quantization=args.quantization,
             device=args.device, attention_backend=args.attention_backend,
             enable_prefix_caching=args.enable_prefix_caching, speculative=speculative,
-            enforce_eager=args.enforce_eager,
+            enforce_eager=args.enforce_eager, lora_modules=_lora_modules(args.lora_modules),
         )
     except ValueError as e:
         raise CLIError(str(e)) from e
@@ -725,7 +756,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
 
     from gateway.app import PUBLIC_PATHS, GatewaySettings, create_app
 
-    models = _served_models(args.model, args.served_model_name, args.chat_template)
+    models = _served_models(args.model, args.served_model_name, args.chat_template,
+                            args.lora_modules)
     keys = [k for k in args.api_key if k]
     keys += [k.strip() for k in os.environ.get("SHOAL_API_KEYS", "").split(",") if k.strip()]
     if args.api_key_file:
@@ -794,26 +826,29 @@ def _tls(args: argparse.Namespace) -> dict:
 
 
 def _served_models(paths: list[str] | None, names: list[str] | None,
-                   chat_template: str | None) -> list:
+                   chat_template: str | None, loras: list[str] | None = None) -> list:
     """The gateway's `ServedModel`s from its flags: each `--model` (none: the default model),
-    named by `--served-model-name` or its file, with `--chat-template`'s template.
+    named by `--served-model-name` or its file, with `--chat-template`'s template and
+    `--lora-modules`' adapters.
 
     Raises:
-        CLIError: a model that is not there, names or a template given for several models, a
-            template that cannot be read or does not compile, two models of one name.
+        CLIError: a model that is not there, names, a template or adapters given for several
+            models, a template that cannot be read or does not compile, an adapter that is
+            not NAME=PATH of a directory, two models of one name.
     """
     from gateway.models import ModelCatalog, ServedModel
     from shoal.model_files import ChatTemplateError, load_chat_template
 
     paths = paths or [None]
-    if len(paths) > 1 and (names or chat_template is not None):
-        raise CLIError("--served-model-name and --chat-template apply to one --model; several "
-                       "models are named by their files")
+    if len(paths) > 1 and (names or chat_template is not None or loras):
+        raise CLIError("--served-model-name, --chat-template and --lora-modules apply to one "
+                       "--model; several models are named by their files")
     try:
         template = None if chat_template is None else load_chat_template(chat_template)
     except ChatTemplateError as e:
         raise CLIError(f"--chat-template: {e}") from e
     models = [ServedModel.at(p, tuple(names or ()), template) for p in paths]
+    models[0].loras = _lora_modules(loras)
     try:
         ModelCatalog(models)
     except ValueError as e:
@@ -839,8 +874,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if args.enforce_eager:
         worker_args.append("--enforce-eager")
     # Refused here, not by the gateway as it starts.
-    _served_models(args.model, args.served_model_name, args.chat_template)
+    _served_models(args.model, args.served_model_name, args.chat_template, args.lora_modules)
     gateway_args: list[str] = []
+    if args.lora_modules:
+        worker_args += ["--lora-modules", *args.lora_modules]
+        gateway_args += ["--lora-modules", *args.lora_modules]
     if args.served_model_name:
         worker_args += ["--served-model-name", args.served_model_name[0]]
         gateway_args += ["--served-model-name", *args.served_model_name]

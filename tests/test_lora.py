@@ -126,3 +126,46 @@ def test_bad_adapters_and_unknown_names_get_clear_errors(fp32_model, adapters, t
     ids = tokenizer.encode(PROMPT, add_special_tokens=False)
     out = generate(engine, [_greedy(engine, ids, "nope")])["r"]
     assert out.finish_reason == "error" and "'nope' is not loaded" in out.error
+
+
+def test_a_fleet_serves_adapters_as_models(fp32_model, adapters, tokenizer):
+    """`--lora-modules` on the gateway and the worker: `/v1/models` lists the adapter with
+    its base model as `parent`; a chat request naming it is answered under its name with
+    the merged model's greedy reply, streamed or not, while the base model's requests in
+    the same fleet get the base reply; bad flags are refused with a message."""
+    import httpx
+
+    from shoal import cli
+    from tests.conftest import running_fleet
+
+    path, pairs = adapters["all"]
+    flag = ("--lora-modules", f"sql={path}")
+    messages = [{"role": "user", "content": "Name three colors."}]
+    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"])
+
+    def reply(model) -> str:
+        out = generate(make_engine(model), [NewRequest("r", ids, SamplingParams(
+            max_tokens=16, temperature=0.0))])["r"]
+        return tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    with running_fleet(worker_args=flag, gateway_args=flag) as fleet:
+        cards = httpx.get(fleet["url"] + "/v1/models", timeout=30).json()["data"]
+        assert [(c["id"], c["parent"], c["root"]) for c in cards[1:]] == \
+            [("sql", "SmolLM2-135M-Instruct", str(path))]
+        ask = {"messages": messages, "max_tokens": 16, "temperature": 0}
+        tuned = httpx.post(fleet["url"] + "/v1/chat/completions", timeout=60,
+                           json={**ask, "model": "sql"}).json()
+        base = httpx.post(fleet["url"] + "/v1/chat/completions", timeout=60, json=ask).json()
+        assert tuned["model"] == "sql" and base["model"] == "SmolLM2-135M-Instruct"
+        assert tuned["choices"][0]["message"]["content"] == reply(merged(fp32_model, pairs))
+        assert base["choices"][0]["message"]["content"] == reply(fp32_model)
+        with httpx.stream("POST", fleet["url"] + "/v1/chat/completions", timeout=60,
+                          json={**ask, "model": "sql", "stream": True}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                       if c["choices"]) == tuned["choices"][0]["message"]["content"]
+    for bad, message in ((["sql"], "expected NAME=PATH"), ([f"a={path}", f"a={path}"], "twice"),
+                         ([f"a={path}/missing"], "not a directory")):
+        with pytest.raises(cli.CLIError, match=message):
+            cli._lora_modules(bad)
