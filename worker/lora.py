@@ -38,18 +38,36 @@ class LoRAError(ValueError):
     """An adapter that cannot be served: missing files, other targets, or wrong shapes."""
 
 
+# Rows up to which a delta is computed in float32: torch's bfloat16 matmuls of a few rows by a
+# rank-r matrix cost 3x float32's (oneDNN's overhead), and float32's grow worse past them
+# (2-core Zen 4, a [rows, 576] x [576, 24] x [24, 3072] delta: 1 row 14 against 47 us, 8 rows 81
+# against 54).
+FLOAT32_MAX_ROWS = 4
+
+
 @dataclass
 class LoRAProjection:
-    """One fused projection's low-rank delta: `y += (x @ a.T) @ b.T`.
+    """One fused projection's low-rank delta: `y += (x @ a_t) @ b_t`.
 
     Attributes:
-        a: `[parts * r, in_features]`, the targeted parts' `A` stacked, serving dtype.
-        b: `[out_features, parts * r]`, their `B` block-diagonal in the fused output's rows,
-            times the scale, serving dtype.
+        a_t: `[in_features, parts * r]`, the targeted parts' `A` stacked and transposed,
+            serving dtype.
+        b_t: `[parts * r, out_features]`, their `B` block-diagonal in the fused output's
+            columns, times the scale, serving dtype.
+        a_t32, b_t32: the same in float32, for iterations of a few rows (`FLOAT32_MAX_ROWS`).
     """
 
-    a: torch.Tensor
-    b: torch.Tensor
+    a_t: torch.Tensor
+    b_t: torch.Tensor
+    a_t32: torch.Tensor
+    b_t32: torch.Tensor
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """`[rows, in_features]` -> its delta `[rows, out_features]` (float32 for a few rows,
+        else the serving dtype)."""
+        if x.shape[0] <= FLOAT32_MAX_ROWS:
+            return x.float() @ self.a_t32 @ self.b_t32
+        return x @ self.a_t @ self.b_t
 
 
 @dataclass
@@ -149,8 +167,8 @@ def load_adapter(name: str, path: Path, cfg: ModelConfig, dtype: torch.dtype,
                     b[row:row + outs[mod], k * r:(k + 1) * r] = bb * scale
                     a_rows.append(a)
                 row += outs[mod]
-            layers[i][fused] = LoRAProjection(torch.cat(a_rows).to(device, dtype),
-                                              b.to(device, dtype))
+            a_t, b_t = torch.cat(a_rows).T.contiguous().to(device), b.T.contiguous().to(device)
+            layers[i][fused] = LoRAProjection(a_t.to(dtype), b_t.to(dtype), a_t, b_t)
     return LoRAAdapter(name, path, r, layers)
 
 
@@ -165,7 +183,9 @@ class LoRABatch:
 
     def __init__(self, adapters: list[LoRAAdapter], row_adapter: torch.Tensor) -> None:
         self.adapters, self.row_adapter = adapters, row_adapter
-        self._groups = [(adapter, (row_adapter == k).nonzero().squeeze(1))
+        # Each adapter's rows; None where it has them all (no gather, no scatter).
+        self._groups = [(adapter, None if len(adapters) == 1 and bool((row_adapter == 0).all())
+                         else (row_adapter == k).nonzero().squeeze(1))
                         for k, adapter in enumerate(adapters)]
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, projection: str) -> None:
@@ -174,8 +194,12 @@ class LoRABatch:
         input `x` `[rows, in_features]` (both the serving dtype)."""
         for adapter, rows in self._groups:
             delta = adapter.layers[layer].get(projection)
-            if delta is not None and rows.numel():
-                out.index_add_(0, rows, (x[rows] @ delta.a.T) @ delta.b.T)
+            if delta is None:
+                continue
+            if rows is None:
+                out += delta.delta(x)
+            elif rows.numel():
+                out.index_add_(0, rows, delta.delta(x[rows]).to(out.dtype))
 
     def rows(self, keep: torch.Tensor) -> LoRABatch:
         """The same for the rows `keep` (`[n]` int64) only, in that order (the last layer's
