@@ -169,3 +169,28 @@ def test_a_fleet_serves_adapters_as_models(fp32_model, adapters, tokenizer):
                          ([f"a={path}/missing"], "not a directory")):
         with pytest.raises(cli.CLIError, match=message):
             cli._lora_modules(bad)
+
+
+def test_in_bfloat16_an_adapter_s_logits_are_the_merged_model_s(model_path, adapters,
+                                                                 tokenizer):
+    """The serving dtype: bfloat16 rounds the merged weights and the unmerged deltas apart,
+    so the check is on logits, for one row (the float32 delta) and a prefill of many (the
+    bfloat16 one): the adapter moves them far from the base model's and lands within
+    rounding of the merged model's."""
+    from worker.loader import load_model
+
+    model = load_model(model_path, torch.bfloat16)
+    path, pairs = adapters["all"]
+    ids = tokenizer.encode(PROMPT * 3, add_special_tokens=False)
+    fp32_pairs = {n: (a, b, s) for n, (a, b, s) in pairs.items()}
+    cfg, weights = model
+    merged_bf16 = (cfg, {**weights, **{n: (weights[n].float() + s * (b @ a)).bfloat16()
+                                       for n, (a, b, s) in fp32_pairs.items()}})
+
+    def logits(m, lora=None, **kw):
+        engine = make_engine(m, dtype=torch.bfloat16, keep_logits=True, **kw)
+        generate(engine, [_greedy(engine, ids, lora, max_tokens=2)])
+        return engine.last_logits["r"].float()
+    tuned = logits(model, "all", lora_modules=(("all", str(path)),))
+    oracle, base = logits(merged_bf16), logits(model)
+    assert (tuned - oracle).abs().max() < 0.2 * (tuned - base).abs().max()
