@@ -538,8 +538,7 @@ class Engine:
                                           device=self.device))
             hidden = self.model.forward(torch.tensor(ids, device=self.device),
                                         torch.tensor(positions, device=self.device), meta,
-                                        self.kv_cache, out_rows,
-                                        **({} if lora is None else {"lora": lora}))
+                                        self.kv_cache, out_rows, lora)
         for s in plain:
             s.num_computed_tokens += 1
         for s, c in prefills:

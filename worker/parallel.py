@@ -152,7 +152,8 @@ class TensorParallelLeader:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
 
-    def forward(self, input_ids, positions, meta, kv_cache, output_rows=None):
+    def forward(self, input_ids, positions, meta, kv_cache, output_rows=None, lora=None):
+        assert lora is None, "LoRA adapters are not served with tensor parallelism"
         _broadcast(("forward", input_ids, positions, meta, output_rows))
         return self._model.forward(input_ids, positions, meta, kv_cache, output_rows)
 
