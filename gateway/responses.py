@@ -432,8 +432,10 @@ class ResponseShape:
         if self.reasoning is None:
             return self.answer(text, status, logprobs)
         thought, text = self.reasoning.split(text)
-        thinking = [self.reasoning_item(thought, status if text is None else "completed")]
-        return (thinking if thought else []) + self.answer(text or "", status, logprobs)
+        answer = self.answer(text or "", status, logprobs)
+        if not thought:
+            return answer
+        return [self.reasoning_item(thought, status if text is None else "completed"), *answer]
 
     def reasoning_item(self, thought: str, status: str) -> dict[str, Any]:
         """The reasoning item of a reply's thinking (status as `message`'s)."""

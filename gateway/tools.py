@@ -278,6 +278,11 @@ class _Call:
     sent: int = 0  # characters of its arguments handed on
     closed: bool = False  # its end handed on
 
+    @property
+    def ended(self) -> bool:
+        """Its arguments, or its object, have ended: nothing more of it will come."""
+        return self.end is not None or self.done
+
 
 _ARGUMENTS = ("arguments", "parameters")  # the keys a call's arguments may come under
 
@@ -359,7 +364,7 @@ class CallReader:
             if len(arguments) > call.sent:
                 events.append(("arguments", call.index, arguments[call.sent:]))
                 call.sent = len(arguments)
-            if not call.closed and (call.end is not None or call.done):
+            if not call.closed and call.ended:
                 call.closed = True
                 events.append(("close", call.index, ""))
         return events
@@ -537,7 +542,7 @@ class ToolCalls:
             reader.feed(text)
         else:
             reader = self._call_reader(choice)
-        return [(c.name, reader.arguments(k), c.end is not None or c.done)
+        return [(c.name, reader.arguments(k), c.ended)
                 for k, c in enumerate(reader.opened)]
 
     def finish_reason(self, reason: str | None, calls: list | bool | None) -> str | None:

@@ -717,6 +717,8 @@ class Engine:
                     ) -> LoRABatch | None:
         """The iteration's rows' adapters, in `_run`'s row order (plain decodes, then each
         chunk's rows); None when no row has one."""
+        if not self.loras:  # no adapter loaded: admission refused any request naming one
+            return None
         names = [s.params.lora_name for s in plain] + [s.params.lora_name for s, _ in chunks]
         used = list(dict.fromkeys(n for n in names if n is not None))
         if not used:
