@@ -1,4 +1,4 @@
-"""Finding a model on disk and loading its tokenizer.
+"""Finding a model on disk and loading its tokenizer (and transformers' model, the oracle).
 
 Both the gateway (which tokenizes prompts and detokenizes replies) and the worker (which runs the
 model) need the same tokenizer and chat template from the same model source, so the lookup lives
@@ -8,6 +8,7 @@ here parses BPE.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import os
@@ -156,10 +157,60 @@ def load_tokenizer(path: Path) -> Any:
         except Exception:  # a corrupt cache entry is rebuilt below
             pass
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    _save_entry(cached, tok)
+    return tok
+
+
+def load_transformers_model(path: Path, dtype: Any) -> Any:
+    """transformers' own `AutoModelForCausalLM` of the model at `path`, in `dtype`, eval mode:
+    the oracle of the tests and the baseline of `shoal bench engine`, never the engine.
+
+    For a GGUF file, transformers dequantizes and renames the tensors itself (about 30 s for
+    SmolLM2 on a 2-core Zen 3, most of it reading the file's metadata); its result is saved
+    (float32 safetensors, by `save_pretrained`) under `$SHOAL_CACHE_DIR`, keyed as
+    `load_tokenizer`'s entries, and later loads read that in about a second. The weights are
+    transformers' conversion either way: shoal's loader has no part in them.
+
+    Raises:
+        ModelNotFoundError: `path` holds no model transformers can read.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if path.is_dir():
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    cached = cache_entry(path, "transformers")
+    if (cached / "config.json").is_file():
+        try:
+            return AutoModelForCausalLM.from_pretrained(str(cached), dtype=dtype).eval()
+        except Exception:  # a corrupt cache entry is rebuilt below
+            pass
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32)
+
+    def save(directory: str) -> None:
+        # A model read from GGUF counts as quantized: it refuses `save_pretrained`, and its
+        # config names the GGUF file. Its tensors are plain float32 (dequantized), saved as they
+        # are (tied ones once), under the config without that mark.
+        from safetensors.torch import save_model
+
+        config = copy.deepcopy(model.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(directory)
+        save_model(model, os.path.join(directory, "model.safetensors"))
+    _save_entry(cached, save)
+    return model.to(dtype).eval()
+
+
+def _save_entry(cached: Path, save: Any) -> None:
+    """Write the cache entry `cached` atomically with `save` (an object's `save_pretrained`, or
+    a function of the directory): written beside it, then renamed into place, so a reader never
+    sees half an entry."""
     tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
     try:
-        tok.save_pretrained(str(tmp))
+        tmp.mkdir(parents=True, exist_ok=True)
+        getattr(save, "save_pretrained", save)(str(tmp))
         os.rename(tmp, cached)  # atomic; fails if a concurrent process got there first
     except OSError:  # a read-only cache or a lost race only costs start-up time
         shutil.rmtree(tmp, ignore_errors=True)
-    return tok

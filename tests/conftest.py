@@ -15,7 +15,7 @@ if not os.path.exists("/dev/nvidia0"):
 import pytest
 import torch
 
-from shoal.model_files import default_model_path, load_tokenizer
+from shoal.model_files import default_model_path, load_tokenizer, load_transformers_model
 from worker.config import EngineConfig, ModelConfig
 from worker.engine import Engine
 from worker.loader import load_model
@@ -40,11 +40,7 @@ def fp32_model(model_path):
 @pytest.fixture(scope="session")
 def hf_model(model_path):
     """transformers' own model from the same GGUF: the oracle."""
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
-                                             dtype=torch.float32)
-    return m.eval()
+    return load_transformers_model(model_path, torch.float32)
 
 
 def spawn_gateway(fleet: dict):

@@ -256,3 +256,33 @@ def test_hf_directory_unsupported_architecture(tmp_path):
                                                       "model_type": "gpt2"}))
     with pytest.raises(UnsupportedModelError, match="GPT2"):
         load_model(tmp_path, torch.float32)
+
+
+def test_transformers_oracle_is_converted_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    """`load_transformers_model` (the tests' oracle, the bench's baseline): transformers' own
+    reading of the GGUF file, then its cached copy, the same logits either way."""
+    from transformers import AutoModelForCausalLM
+
+    from shoal.model_files import cache_entry, load_transformers_model
+
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, random_weights(CFG, seed=8), Q.Q8_0)
+    direct = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                  dtype=torch.float32).eval()
+    ids = torch.randint(0, CFG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        expected = direct(ids).logits
+        assert torch.equal(load_transformers_model(path, torch.float32)(ids).logits, expected)
+        assert (cache_entry(path, "transformers") / "model.safetensors").is_file()
+        real = AutoModelForCausalLM.from_pretrained
+
+        def no_gguf(*args, **kw):
+            assert "gguf_file" not in kw, "converted the GGUF file again"
+            return real(*args, **kw)
+
+        monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_gguf)
+        assert torch.equal(load_transformers_model(path, torch.float32)(ids).logits, expected)
+        cached = load_transformers_model(path, torch.bfloat16)
+    assert cached.dtype == torch.bfloat16
+    weights = direct.state_dict()
+    assert all(torch.equal(t, weights[name].bfloat16()) for name, t in cached.state_dict().items())

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from shoal.messages import IterationPlan, NewRequest
+from shoal.model_files import load_transformers_model
 from shoal.sampling_params import SamplingParams
 from shoal.workloads import (
     W64,
@@ -185,10 +186,7 @@ def transformers_static_batches(path: Path, dtype: torch.dtype, reqs: list[NewRe
     Each batch runs until its longest request is done; only each request's own `max_tokens`
     count as generated tokens.
     """
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-    model.eval()
+    model = load_transformers_model(path, dtype)
     pad = 0
 
     def run(batch: list[NewRequest]) -> None:
