@@ -42,6 +42,7 @@ import shoal
 from gateway import anthropic, metrics, tgi
 from gateway.batches import FILES_PATH, batches_router
 from gateway.jobs import Jobs, jobs_router
+from gateway.loras import RuntimeLoRAs, loras_router
 from gateway.models import ModelCatalog, ServedModel
 from gateway.pages import pages_router
 from gateway.prepare import Prepared, PromptTooLong, RequestPreparation
@@ -639,6 +640,9 @@ class GatewaySettings:
             credentials). Preflight requests are answered before the API key is checked.
         enable_request_id_headers: every HTTP response carries an `X-Request-Id` header, the
             request's own or a new one (vLLM's --enable-request-id-headers).
+        allow_runtime_lora_updating: serve `/v1/load_lora_adapter` and
+            `/v1/unload_lora_adapter` (gateway/loras.py; vLLM's
+            VLLM_ALLOW_RUNTIME_LORA_UPDATING).
     """
 
     api_keys: tuple[str, ...] = ()
@@ -658,6 +662,7 @@ class GatewaySettings:
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
     enable_request_id_headers: bool = False
+    allow_runtime_lora_updating: bool = False
 
 
 def _key_ok(presented: str | None, keys: tuple[str, ...]) -> bool:
@@ -865,11 +870,15 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
     gw.reasoning_parser = settings.reasoning_parser
     gw.tracer = tracer
 
+    runtime_loras = RuntimeLoRAs(gw)
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         await gw.start()
+        learning = asyncio.create_task(runtime_loras.refresh_forever())
         freeze_heap()
         yield
+        learning.cancel()
         await gw.stop()
 
     app = FastAPI(title="shoal gateway", lifespan=lifespan)
@@ -880,6 +889,8 @@ def create_app(redis_url: str, models: list[ServedModel] | None = None, prefix: 
                                     "responses": ResponsesRequest}, APIError)
     app.include_router(jobs_router(jobs, error_responses))
     app.include_router(batches_router(jobs, error_responses, settings.max_file_bytes))
+    app.include_router(loras_router(runtime_loras, settings.allow_runtime_lora_updating,
+                                    error_responses))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):

@@ -184,6 +184,28 @@ class ModelCatalog:
                                      "names (--served-model-name, --lora-modules, or their "
                                      "files' names)")
                 self._by_name[name] = m
+        self._static = set(self._by_name)
+        # Adapters loaded at run time (`Keys.loras`), by base model: name -> directory.
+        self._runtime: dict[str, dict[str, str]] = {m.name: {} for m in models}
+
+    def is_static(self, name: str) -> bool:
+        """Whether `name` is a model or adapter given on the command line (which the API may
+        not unload)."""
+        return name in self._static
+
+    def set_runtime_loras(self, base: ServedModel, adapters: dict[str, str]) -> None:
+        """Serve exactly `adapters` (name -> directory) as `base`'s run-time LoRA adapters,
+        as the fleet lists them; a name taken by a model or a `--lora-modules` adapter is
+        left to it."""
+        old = self._runtime[base.name]
+        if old == adapters:
+            return
+        for name in old.keys() - adapters.keys():
+            self._by_name.pop(name, None)
+        for name, path in adapters.items():
+            if name not in self._static and old.get(name) != path:
+                self._by_name[name] = LoRAModel(base, name, path)
+        self._runtime[base.name] = {n: p for n, p in adapters.items() if n not in self._static}
 
     @property
     def default(self) -> ServedModel:
@@ -191,7 +213,8 @@ class ModelCatalog:
 
     @property
     def names(self) -> list[str]:
-        """Every name, each model's in order, then the LoRA adapters'."""
+        """Every name, each model's in order, then the LoRA adapters' (`--lora-modules`',
+        then those loaded at run time)."""
         return list(self._by_name)
 
     def get(self, name: str | None) -> ServedModel | LoRAModel:

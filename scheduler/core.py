@@ -75,6 +75,10 @@ PREFIX_AFFINITY_SLACK = 0.125
 # --requests 24 --workers 2 --max-tokens 160 --kill-interval 1.5` (one prompt for all) failed
 # all 24 requests with one worker's kills; with it 12, as placement by free K/V alone did.
 PREFIX_AFFINITY_REQUESTS = 8
+# Seconds a request naming a LoRA adapter no worker of its model serves waits before it fails
+# (404): the scheduler learns of an adapter loaded at run time (gateway/loras.py) from the
+# workers' heartbeats, up to a registry read later than the gateway that loaded it.
+LORA_GRACE_S = 5.0
 
 
 @dataclass
@@ -351,12 +355,21 @@ class Scheduler:
                 break
         return best
 
+    def _fail_waiting(self, i: int, error: str, status: int) -> None:
+        """Fail the waiting request at index `i` now: it could never be placed."""
+        s = self.waiting[i]
+        self._dequeue(i)
+        del self.requests[s.sub.request_id]
+        self.dropped.append(s)
+        self.failed += self.to_publish(s, self._event(s, [], "error", error, status=status))
+
     def place(self, now: float | None = None) -> list[RequestState]:
         """Assign waiting requests, by priority then arrival (see `_next_waiting`; `now` is Unix
         time, default the clock), to the worker of their model with the most free K/V or,
         nearly as free, the one likely to hold their prefix (`_prefix_home`). A request that
-        must wait holds back the rest of its model's queue, not other models'. Returns those
-        placed."""
+        must wait holds back the rest of its model's queue, not other models'. A request naming
+        a LoRA adapter goes only to workers that serve it, and fails (404) where none of its
+        model's has for `LORA_GRACE_S`. Returns those placed."""
         now = time.time() if now is None else now
         placed: list[RequestState] = []
         blocked: set[str] = set()  # models whose next request waits
@@ -365,11 +378,19 @@ class Scheduler:
                 if self.policy == "request-level" else None)
         while (i := self._next_waiting(now, blocked)) is not None:
             s = self.waiting[i]
+            lora = s.sub.params.lora_name  # placed only where that adapter is served
             candidates = [w for w in self.workers.values()
                           if w.info.model == s.sub.model and not w.info.draining
                           and len(w.running) < min(self.max_num_seqs, w.info.max_num_seqs)
-                          and (idle is None or w.info.worker_id in idle)]
+                          and (idle is None or w.info.worker_id in idle)
+                          and (lora is None or lora in w.info.loras)]
             if not candidates:
+                if (lora is not None and now - s.sub.arrival_time > LORA_GRACE_S
+                        and not any(lora in w.info.loras for w in self.workers.values()
+                                    if w.info.model == s.sub.model)):
+                    self._fail_waiting(i, f"LoRA adapter {lora!r} is not loaded on any worker "
+                                       f"of {s.sub.model!r}", 404)
+                    continue
                 blocked.add(s.sub.model)
                 continue
             best = self._prefix_home(s, candidates,
@@ -377,12 +398,8 @@ class Scheduler:
             need = self._blocks_needed(s, best)
             largest = max(w.info.num_total_blocks for w in candidates)
             if need > largest:  # it would wait forever: fail it now
-                self._dequeue(i)
-                del self.requests[s.sub.request_id]
-                self.dropped.append(s)
-                self.failed += self.to_publish(s, self._event(
-                    s, [], "error", f"the request needs {need} K/V blocks (prompt + max_tokens); "
-                    f"the largest worker has {largest}", status=400))
+                self._fail_waiting(i, f"the request needs {need} K/V blocks (prompt + "
+                                   f"max_tokens); the largest worker has {largest}", 400)
                 continue
             if need > self._room(best):
                 blocked.add(s.sub.model)  # it waits; nothing of its model overtakes it

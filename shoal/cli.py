@@ -96,6 +96,13 @@ def _add_lora_modules_arg(p: argparse.ArgumentParser) -> None:
                         "the same; shoal up does)")
 
 
+def _add_runtime_lora_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which "
+                        "load and drop LoRA adapters on every worker while the fleet runs "
+                        "(vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, also read)")
+
+
 def _lora_modules(values: list[str] | None) -> tuple[tuple[str, str], ...]:
     """`--lora-modules`' (name, directory) pairs.
 
@@ -310,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_served_model_name_arg(gw)
     _add_chat_template_arg(gw)
     _add_lora_modules_arg(gw)
+    _add_runtime_lora_arg(gw)
     _add_reply_parser_args(gw)
     _add_tracing_arg(gw)
     gw.add_argument("--prefix", default="shoal", help="Redis key prefix")
@@ -362,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_served_model_name_arg(u)
     _add_chat_template_arg(u)
     _add_lora_modules_arg(u)
+    _add_runtime_lora_arg(u)
     _add_reply_parser_args(u)
     _add_tracing_arg(u)
     u.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
@@ -755,6 +764,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import PUBLIC_PATHS, GatewaySettings, create_app
+    from gateway.loras import enabled_by_env
 
     models = _served_models(args.model, args.served_model_name, args.chat_template,
                             args.lora_modules)
@@ -780,7 +790,9 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
                                allowed_methods=tuple(args.allowed_methods),
                                allowed_headers=tuple(args.allowed_headers),
                                allow_credentials=args.allow_credentials,
-                               enable_request_id_headers=args.enable_request_id_headers)
+                               enable_request_id_headers=args.enable_request_id_headers,
+                               allow_runtime_lora_updating=(args.allow_runtime_lora_updating
+                                                            or enabled_by_env()))
     tls = _tls(args)
     tracer = _tracer(args, "shoal-gateway")
     app = create_app(args.redis_url, models, args.prefix, settings, tracer)
@@ -879,6 +891,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if args.lora_modules:
         worker_args += ["--lora-modules", *args.lora_modules]
         gateway_args += ["--lora-modules", *args.lora_modules]
+    if args.allow_runtime_lora_updating:
+        gateway_args.append("--allow-runtime-lora-updating")
     if args.served_model_name:
         worker_args += ["--served-model-name", args.served_model_name[0]]
         gateway_args += ["--served-model-name", *args.served_model_name]

@@ -32,6 +32,10 @@ class Keys:
             (gateway/batches.py).
         response(id): string with a TTL, a stored Responses API response and the input items
             it answered (JSON; gateway/responses.py `ResponseStore`).
+        loras(model): hash, the LoRA adapters loaded into a model's fleet at run time (adapter
+            name -> PEFT directory on the workers): gateways write it (`/v1/load_lora_adapter`,
+            `/v1/unload_lora_adapter`) and read it to name the adapters they serve; workers
+            read it with each heartbeat and load or drop adapters to match.
         response_events(id): stream with a TTL, a streamed background response's events, entry
             id `0-(sequence_number + 1)`, field "event" (JSON), for clients that (re)connect.
     """
@@ -121,3 +125,6 @@ class Keys:
 
     def job_results(self, job_id: str) -> str:
         return f"{self.prefix}:job:{job_id}:results"
+
+    def loras(self, model: str) -> str:
+        return f"{self.prefix}:loras:{model}"

@@ -324,6 +324,10 @@ class WorkerInfo(Message):
         max_num_batched_tokens: most tokens in one of its iterations (0 where unknown).
         prefix_caching: it caches prompt prefixes (the scheduler then places requests where
             their prefix is likely cached).
+        loras: the LoRA adapters it serves, name -> directory (`--lora-modules` and those
+            loaded at run time); the scheduler places a request naming one only here.
+        lora_errors: adapters of the fleet's run-time list (`Keys.loras`) it could not load,
+            name -> [directory, why] (a gateway loading one reports it).
     """
 
     TYPE: ClassVar[str] = "worker_info"
@@ -340,6 +344,8 @@ class WorkerInfo(Message):
     heartbeat_at: float = 0.0
     max_num_batched_tokens: int = 0
     prefix_caching: bool = False
+    loras: dict[str, str] = field(default_factory=dict)
+    lora_errors: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

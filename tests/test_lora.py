@@ -159,6 +159,10 @@ def test_a_fleet_serves_adapters_as_models(fp32_model, adapters, tokenizer):
         assert tuned["model"] == "sql" and base["model"] == "SmolLM2-135M-Instruct"
         assert tuned["choices"][0]["message"]["content"] == reply(merged(fp32_model, pairs))
         assert base["choices"][0]["message"]["content"] == reply(fp32_model)
+        off = httpx.post(fleet["url"] + "/v1/load_lora_adapter", timeout=30,
+                         json={"lora_name": "x", "lora_path": str(path)})
+        assert off.status_code == 404 and "--allow-runtime-lora-updating" in \
+            off.json()["error"]["message"]
         with httpx.stream("POST", fleet["url"] + "/v1/chat/completions", timeout=60,
                           json={**ask, "model": "sql", "stream": True}) as r:
             chunks = [json.loads(line[6:]) for line in r.iter_lines()
@@ -169,6 +173,86 @@ def test_a_fleet_serves_adapters_as_models(fp32_model, adapters, tokenizer):
                          ([f"a={path}/missing"], "not a directory")):
         with pytest.raises(cli.CLIError, match=message):
             cli._lora_modules(bad)
+
+
+def test_adapters_load_and_unload_while_the_fleet_runs(fp32_model, adapters, tokenizer,
+                                                        tmp_path):
+    """vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` through a real fleet: a
+    loaded adapter is a model of every gateway (one started apart learns it from Redis) and
+    answers as the merged model would, beside the base model; a worker that joins later loads
+    it as it starts; an unreadable adapter is refused naming the worker's reason and is not
+    listed; a name taken, or unknown to unload, gets its error; once unloaded, requests naming
+    it get 404."""
+    import httpx
+    import redis
+
+    from shoal.messages import decode
+    from tests.conftest import extra_gateway, running_fleet, spawn_worker
+
+    path, pairs = adapters["all"]
+    messages = [{"role": "user", "content": "Name three colors."}]
+    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"])
+    expected = tokenizer.decode(generate(make_engine(merged(fp32_model, pairs)), [NewRequest(
+        "r", ids, SamplingParams(max_tokens=16, temperature=0.0))])["r"].token_ids,
+        skip_special_tokens=True)
+    ask = {"messages": messages, "max_tokens": 16, "temperature": 0}
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text("{not json")
+    with running_fleet(gateway_args=("--allow-runtime-lora-updating",)) as fleet:
+        url = fleet["url"]
+
+        def load(name, where, **kw):
+            return httpx.post(url + "/v1/load_lora_adapter", timeout=120,
+                              json={"lora_name": name, "lora_path": str(where), **kw})
+
+        def names(base=url):
+            return [c["id"] for c in httpx.get(base + "/v1/models", timeout=30).json()["data"]]
+
+        assert names() == ["SmolLM2-135M-Instruct"]
+        r = load("sql", path)
+        assert r.status_code == 200 and r.text == "Success: LoRA adapter 'sql' added successfully."
+        cards = httpx.get(url + "/v1/models", timeout=30).json()["data"]
+        assert [(c["id"], c["parent"], c["root"]) for c in cards] == [
+            ("SmolLM2-135M-Instruct", None, cards[0]["root"]),
+            ("sql", "SmolLM2-135M-Instruct", str(path))]
+        tuned = httpx.post(url + "/v1/chat/completions", timeout=60,
+                           json={**ask, "model": "sql"}).json()
+        assert tuned["model"] == "sql" and tuned["choices"][0]["message"]["content"] == expected
+        assert load("sql", path).status_code == 400  # already loaded
+        assert "already been loaded" in load("sql", path).json()["error"]["message"]
+        assert load("SmolLM2-135M-Instruct", path).status_code == 400  # the model's own name
+
+        bad = load("broken", broken)
+        assert bad.status_code == 400 and "worker w0" in bad.json()["error"]["message"]
+        assert names() == ["SmolLM2-135M-Instruct", "sql"]
+
+        with extra_gateway(fleet, "--allow-runtime-lora-updating") as url2:
+            worker = spawn_worker(fleet, "w1", 64 << 20)
+            try:
+                assert "sql" in names(url2)  # learned from Redis, not loaded through it
+                # The worker that joined loaded the fleet's adapter before its first heartbeat.
+                info = decode(redis.Redis.from_url(fleet["redis"]).hget("shoal:worker:w1", "info"))
+                assert info.loras == {"sql": str(path)}
+                # A load waits for both workers.
+                assert load("qv", adapters["qv"][0]).status_code == 200
+                again = httpx.post(url2 + "/v1/chat/completions", timeout=60,
+                                   json={**ask, "model": "sql"}).json()
+                assert again["choices"][0]["message"]["content"] == expected
+
+                r = httpx.post(url2 + "/v1/unload_lora_adapter", timeout=120,
+                               json={"lora_name": "sql"})
+                assert r.status_code == 200 and "removed" in r.text
+                assert names() == names(url2) == ["SmolLM2-135M-Instruct", "qv"]
+                gone = httpx.post(url + "/v1/chat/completions", timeout=60,
+                                  json={**ask, "model": "sql"})
+                assert gone.status_code == 404
+                assert httpx.post(url + "/v1/unload_lora_adapter", timeout=30,
+                                  json={"lora_name": "sql"}).status_code == 404
+            finally:
+                worker.terminate()
+                worker.wait(timeout=60)
 
 
 def test_in_bfloat16_an_adapter_s_logits_are_the_merged_model_s(model_path, adapters,

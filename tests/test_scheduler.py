@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scheduler.core import Scheduler
+from scheduler.core import LORA_GRACE_S, Scheduler
 from shoal.messages import IterationResult, RequestSubmission, WorkerInfo
 from shoal.sampling_params import SamplingParams
 from tests.conftest import random_weights, tiny_config
@@ -129,6 +129,31 @@ def test_models_queue_apart_a_full_model_holds_back_only_its_own_requests():
     sched.update_worker(WorkerInfo("wc", "c", 10, 10, BLOCK, 8, 256))
     assert [s.sub.request_id for s in sched.place()] == ["c1"]
     assert sched.requests["c1"].worker_id == "wc"
+
+
+def test_a_lora_request_goes_only_where_its_adapter_is_served():
+    """A request naming a LoRA adapter is placed on a worker advertising it (`WorkerInfo.loras`)
+    even where another has more room, and fails with 404 where no worker of its model has
+    served it for LORA_GRACE_S; the base model's requests go anywhere."""
+    from dataclasses import replace
+
+    sched = Scheduler("reserve")
+    sched.update_worker(WorkerInfo("plain", "m", 40, 40, BLOCK, 8, 256))
+    sched.update_worker(WorkerInfo("tuned", "m", 10, 10, BLOCK, 8, 256, loras={"sql": "/a/sql"}))
+
+    def sub(rid, lora, t):
+        s = _sub(rid, 4, 4, t)
+        return replace(s, params=replace(s.params, lora_name=lora))
+
+    for rid, lora in (("base", None), ("sql", "sql"), ("chat", "chat")):
+        sched.add_request(sub(rid, lora, float(len(sched.requests))))
+    placed = {s.sub.request_id: s.worker_id for s in sched.place(now=2.0)}
+    assert placed == {"base": "plain", "sql": "tuned"}
+    assert not sched.failed  # "chat" may yet be loaded: it waits LORA_GRACE_S
+    assert not sched.place(now=3.0 + LORA_GRACE_S)  # it arrived at 2.0
+    [event] = sched.failed
+    assert event.request_id == "chat" and event.error_status == 404 and "'chat'" in event.error
+    assert "chat" not in sched.requests and not sched.waiting
 
 
 def test_new_request_gets_its_first_token_within_two_iterations():

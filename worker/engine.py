@@ -152,10 +152,9 @@ class Engine:
                                               self.max_model_len)
         # LoRA adapters by name (worker.lora), served beside the base model.
         self.loras: dict[str, LoRAAdapter] = {}
-        if cfg.lora_modules and tp is not None:
-            raise LoRAError("LoRA adapters are not served with tensor parallelism")
+        self._tensor_parallel = tp is not None
         for name, path in cfg.lora_modules:
-            self.loras[name] = load_adapter(name, Path(path), model_cfg, cfg.dtype, self.device)
+            self.add_lora(name, path)
         self.sampler = Sampler(kernels=self.model.kernels)
         self.grammars = GrammarMasks(model_path, model_cfg.vocab_size, model_cfg.eos_token_id,
                                      self.model.kernels)
@@ -712,6 +711,29 @@ class Engine:
                 logits[i, banned] = float("-inf")
                 changed = True
         return changed
+
+    def add_lora(self, name: str, path: str | Path) -> LoRAAdapter:
+        """Load the PEFT adapter at `path` and serve it as `name` from the next iteration on
+        (replacing one of that name).
+
+        Raises:
+            LoRAError: it cannot be read or does not fit the model (`worker.lora.load_adapter`),
+                or the engine is tensor-parallel.
+        """
+        if self._tensor_parallel:
+            raise LoRAError("LoRA adapters are not served with tensor parallelism")
+        adapter = load_adapter(name, Path(path), self.model_cfg, self.cfg.dtype, self.device)
+        self.loras[name] = adapter
+        return adapter
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop serving the adapter `name`, unless a running request still uses it (it is then
+        kept: call again once they finish). Returns whether it is gone (True for a name not
+        loaded)."""
+        if any(s.params.lora_name == name for s in self.running.values()):
+            return False
+        self.loras.pop(name, None)
+        return True
 
     def _lora_batch(self, plain: list[Sequence], chunks: list[tuple[Sequence, int]]
                     ) -> LoRABatch | None:

@@ -8,7 +8,9 @@ sent at once and its reply read with the next one. Waiting on those round trips 
 iteration's end cost 0.4-5 ms (2 on average) per iteration on two cores, where Redis, the
 scheduler and the gateway all wake at that moment; threads that popped and pushed for the loop
 cost less but woke twice an iteration, each wake-up taking a core from the engine's threads
-mid-iteration. A thread renews the heartbeat every second with the current free K/V blocks. On
+mid-iteration. A thread renews the heartbeat every second with the current free K/V blocks, and
+reads the LoRA adapters the fleet loaded at run time; the loop loads or drops them between
+iterations, and the heartbeat advertises what it serves. On
 SIGTERM it drains: it advertises `draining`, hands back any request it is asked to admit,
 finishes what it runs, deregisters and exits 0.
 
@@ -52,6 +54,7 @@ from shoal.messages import (
 from shoal.model_files import model_id
 from worker import metrics
 from worker.engine import Engine, KVCacheFullError
+from worker.lora import LoRAError
 
 log = logging.getLogger("shoal.worker")
 
@@ -195,15 +198,62 @@ class WorkerServer:
         self.incarnation = uuid.uuid4().hex[:12]
         self._totals = metrics.EngineTotals()
         self._failed_in_a_row = 0
+        # LoRA adapters loaded at run time (`Keys.loras`): the list the heartbeat thread last
+        # read, what the engine serves and what failed, both advertised in `info`. The main
+        # thread alone changes the engine's adapters, between iterations (`_sync_loras`).
+        self._static_loras = dict(engine.cfg.lora_modules)
+        self._wanted_loras: dict[str, str] | None = None
+        self._synced_loras: dict[str, str] | None = None  # the list `_sync_loras` last matched
+        self._lora_paths = dict(self._static_loras)
+        self._lora_failed: dict[str, tuple[str, str]] = {}  # name -> (path, why)
+        self._lora_errors: dict[str, list[str]] = {}
 
     def info(self) -> WorkerInfo:
         e = self.engine
         return WorkerInfo(self.worker_id, self.model, e.num_total_blocks, e.num_free_blocks,
                           e.block_size, e.cfg.max_num_seqs, e.max_model_len, len(e.running),
                           self._draining.is_set(), self.incarnation, time.time(),
-                          e.cfg.max_num_batched_tokens, e.cfg.enable_prefix_caching)
+                          e.cfg.max_num_batched_tokens, e.cfg.enable_prefix_caching,
+                          self._lora_paths, self._lora_errors)
+
+    def _read_loras(self, r: redis.Redis) -> None:
+        """Read the fleet's run-time adapters (for `_sync_loras`)."""
+        self._wanted_loras = {k.decode(): v.decode()
+                              for k, v in r.hgetall(self.keys.loras(self.model)).items()}
+
+    def _sync_loras(self) -> None:
+        """Load the run-time adapters the fleet lists and this worker lacks, and drop those it
+        no longer lists once no running request uses them (`--lora-modules`' stay). A path
+        that changed is loaded again; one that fails is advertised in `lora_errors` and not
+        tried again until its path changes. Runs between iterations, in the main thread."""
+        wanted = self._wanted_loras
+        if wanted is None or wanted is self._synced_loras:
+            return
+        paths = dict(self._lora_paths)
+        failed = {n: f for n, f in self._lora_failed.items() if wanted.get(n) == f[0]}
+        for name, path in wanted.items():
+            if name in self._static_loras or paths.get(name) == path or name in failed:
+                continue
+            try:
+                self.engine.add_lora(name, path)
+                paths[name] = path
+                log.info("worker %s loaded LoRA adapter %s from %s", self.worker_id, name, path)
+            except LoRAError as e:
+                failed[name] = (path, str(e))
+                log.warning("worker %s cannot load LoRA adapter %s: %s", self.worker_id, name, e)
+        in_use = False
+        for name in [n for n in paths if n not in wanted and n not in self._static_loras]:
+            if self.engine.remove_lora(name):
+                del paths[name]
+                log.info("worker %s dropped LoRA adapter %s", self.worker_id, name)
+            else:
+                in_use = True  # its requests finish first: tried again next time
+        self._lora_paths, self._lora_failed = paths, failed
+        self._lora_errors = {n: list(f) for n, f in failed.items()}
+        self._synced_loras = None if in_use else wanted
 
     def _heartbeat(self, r: redis.Redis) -> None:
+        self._read_loras(r)
         info = encode(self.info())
         pipe = r.pipeline(transaction=False)
         pipe.hset(self.keys.worker(self.worker_id), "info", info)
@@ -246,6 +296,8 @@ class WorkerServer:
         cannot read (another protocol version), having left the fleet."""
         signal.signal(signal.SIGTERM, self.drain)
         signal.signal(signal.SIGINT, self.drain)
+        self._read_loras(self.redis)
+        self._sync_loras()  # the fleet's run-time adapters, before the first heartbeat
         self._heartbeat(self.redis)
         threading.Thread(target=self._heartbeat_loop, daemon=True).start()
         plans = PlanFeed(self.settings.redis_url, self.keys.plans(self.worker_id))
@@ -260,6 +312,7 @@ class WorkerServer:
         status = 0
         try:
             while not (self._draining.is_set() and not self.engine.running):
+                self._sync_loras()
                 plan = plans.get()
                 if plan is None:
                     continue
