@@ -192,8 +192,7 @@ def loras_router(runtime: RuntimeLoRAs, enabled: bool,
                            f"--allow-runtime-lora-updating (or {ENV_FLAG}=true)", status=404,
                            kind="not_found_error")
 
-    @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
-                 responses={**text, **errors(400, 401, 404, 503)})
+    @router.post("/v1/load_lora_adapter", responses={**text, **errors(400, 401, 404, 503)})
     async def load_lora_adapter(req: LoadLoRAAdapterRequest):
         """vLLM's: serve the PEFT adapter at `lora_path` as the model `lora_name` on every
         worker of the fleet's base model."""
@@ -201,8 +200,7 @@ def loras_router(runtime: RuntimeLoRAs, enabled: bool,
         return PlainTextResponse(await runtime.load(req.lora_name, req.lora_path,
                                                     req.load_inplace))
 
-    @router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
-                 responses={**text, **errors(400, 401, 404)})
+    @router.post("/v1/unload_lora_adapter", responses={**text, **errors(400, 401, 404)})
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
         """vLLM's: stop serving an adapter loaded at run time."""
         check()
