@@ -206,7 +206,6 @@ class WorkerServer:
         self._synced_loras: dict[str, str] | None = None  # the list `_sync_loras` last matched
         self._lora_paths = dict(self._static_loras)
         self._lora_failed: dict[str, tuple[str, str]] = {}  # name -> (path, why)
-        self._lora_errors: dict[str, list[str]] = {}
 
     def info(self) -> WorkerInfo:
         e = self.engine
@@ -214,7 +213,8 @@ class WorkerServer:
                           e.block_size, e.cfg.max_num_seqs, e.max_model_len, len(e.running),
                           self._draining.is_set(), self.incarnation, time.time(),
                           e.cfg.max_num_batched_tokens, e.cfg.enable_prefix_caching,
-                          self._lora_paths, self._lora_errors)
+                          self._lora_paths,
+                          {n: list(failed) for n, failed in self._lora_failed.items()})
 
     def _read_loras(self, r: redis.Redis) -> None:
         """Read the fleet's run-time adapters (for `_sync_loras`)."""
@@ -248,8 +248,7 @@ class WorkerServer:
                 log.info("worker %s dropped LoRA adapter %s", self.worker_id, name)
             else:
                 in_use = True  # its requests finish first: tried again next time
-        self._lora_paths, self._lora_failed = paths, failed
-        self._lora_errors = {n: list(f) for n, f in failed.items()}
+        self._lora_paths, self._lora_failed = paths, failed  # replaced whole: the heartbeat reads
         self._synced_loras = None if in_use else wanted
 
     def _heartbeat(self, r: redis.Redis) -> None:
