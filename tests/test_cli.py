@@ -225,6 +225,10 @@ def test_up_gives_the_served_names_to_gateway_and_workers(monkeypatch, tmp_path)
     assert seen["scheduler"] == ["--stream-interval", "4"] and seen["gateway"] == []
     with pytest.raises(SystemExit):
         main(["up", "--stream-interval", "0"])
+    # Loading LoRA adapters at run time is the gateway's.
+    assert main(["up", "--allow-runtime-lora-updating"]) == 0
+    assert seen["gateway"] == ["--allow-runtime-lora-updating"] and seen["scheduler"] == []
+    assert "--allow-runtime-lora-updating" not in seen["worker"]
 
 
 def test_engine_argv_gives_a_worker_the_same_engine():
