@@ -442,28 +442,32 @@ class Gateway(RequestPreparation):
                            "max_tokens) per minute for this API key", status=429,
                            kind="rate_limit_error")
 
-    async def fleet(self) -> FleetStatus:
-        """The fleet as the scheduler sees it: every registered worker's latest heartbeat
-        (`WorkerInfo`) and the length of the scheduler's waiting queue, read from Redis."""
+    async def worker_infos(self) -> list[tuple[WorkerInfo, bool]]:
+        """Every registered worker's latest heartbeat (`WorkerInfo`) and whether it is alive,
+        read from Redis in one round trip."""
         assert self.redis is not None
         ids = sorted(i.decode() for i in await self.redis.smembers(self.keys.workers))
         pipe = self.redis.pipeline(transaction=False)
         for wid in ids:
             pipe.hget(self.keys.worker(wid), "info")
             pipe.exists(self.keys.alive(wid))
-        pipe.get(self.keys.waiting)
-        *replies, waiting = await pipe.execute()
+        replies = await pipe.execute()
+        return [(info, bool(alive)) for raw, alive in zip(replies[::2], replies[1::2])
+                if isinstance(info := decode(raw) if raw else None, WorkerInfo)]
+
+    async def fleet(self) -> FleetStatus:
+        """The fleet as the scheduler sees it: every registered worker's latest heartbeat
+        (`WorkerInfo`) and the length of the scheduler's waiting queue, read from Redis."""
+        infos = await self.worker_infos()
+        waiting = await self.redis.get(self.keys.waiting)
         now = time.time()
-        workers = []
-        for raw, alive in zip(replies[::2], replies[1::2]):
-            info = decode(raw) if raw else None
-            if isinstance(info, WorkerInfo):
-                workers.append(FleetWorker(
-                    worker_id=info.worker_id, model=info.model, alive=bool(alive),
-                    draining=info.draining, num_free_blocks=info.num_free_blocks,
-                    num_total_blocks=info.num_total_blocks, block_size=info.block_size,
-                    num_running=info.num_running, max_model_len=info.max_model_len,
-                    heartbeat_age_s=max(0.0, now - info.heartbeat_at) if info.heartbeat_at else None))
+        workers = [FleetWorker(
+            worker_id=info.worker_id, model=info.model, alive=alive, draining=info.draining,
+            num_free_blocks=info.num_free_blocks, num_total_blocks=info.num_total_blocks,
+            block_size=info.block_size, num_running=info.num_running,
+            max_model_len=info.max_model_len,
+            heartbeat_age_s=max(0.0, now - info.heartbeat_at) if info.heartbeat_at else None)
+            for info, alive in infos]
         return FleetStatus(model=self.catalog.default.name,
                            models=[m.name for m in self.catalog.models],
                            num_waiting=int(waiting or 0), workers=workers)

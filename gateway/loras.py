@@ -27,7 +27,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.schemas import APIError
-from shoal.messages import WorkerInfo, decode
+from shoal.messages import WorkerInfo
 
 log = logging.getLogger("shoal.gateway")
 
@@ -92,16 +92,8 @@ class RuntimeLoRAs:
 
     async def _workers(self) -> list[WorkerInfo]:
         """The alive, undrained workers of the base model, as their last heartbeats say."""
-        r, keys = self.gw.redis, self.gw.keys
-        ids = sorted(i.decode() for i in await r.smembers(keys.workers))
-        pipe = r.pipeline(transaction=False)
-        for wid in ids:
-            pipe.hget(keys.worker(wid), "info")
-            pipe.exists(keys.alive(wid))
-        replies = await pipe.execute()
-        infos = [decode(raw) for raw, alive in zip(replies[::2], replies[1::2]) if raw and alive]
-        return [i for i in infos if isinstance(i, WorkerInfo) and i.model == self.base.name
-                and not i.draining]
+        return [info for info, alive in await self.gw.worker_infos()
+                if alive and info.model == self.base.name and not info.draining]
 
     async def load(self, name: str, path: str, inplace: bool = False) -> str:
         """Load adapter `name` from `path` on every worker of the base model.

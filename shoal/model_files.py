@@ -167,7 +167,7 @@ def load_transformers_model(path: Path, dtype: Any) -> Any:
 
     For a GGUF file, transformers dequantizes and renames the tensors itself (about 30 s for
     SmolLM2 on a 2-core Zen 3, most of it reading the file's metadata); its result is saved
-    (float32 safetensors, by `save_pretrained`) under `$SHOAL_CACHE_DIR`, keyed as
+    (its config and float32 safetensors) under `$SHOAL_CACHE_DIR`, keyed as
     `load_tokenizer`'s entries, and later loads read that in about a second. The weights are
     transformers' conversion either way: shoal's loader has no part in them.
 
