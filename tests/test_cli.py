@@ -339,13 +339,19 @@ def test_dtype_auto_follows_the_cpus_bfloat16_instructions(monkeypatch):
     from worker.config import resolve_dtype
 
     assert build_parser().parse_args(["generate", "hi"]).dtype == "auto"
-    for flags, expected in [("flags\t: fpu avx512f avx512_vnni", torch.float32),
-                            ("flags\t: fpu avx512f avx512_bf16", torch.bfloat16),
-                            ("flags\t: fpu amx_tile amx_bf16 avx512f", torch.bfloat16),
-                            ("Features\t: fp asimd bf16", torch.bfloat16),
-                            (None, torch.bfloat16)]:
+    intel, amd = "GenuineIntel", "AuthenticAMD"
+    for flags, vendor, expected in [
+            ("flags\t: fpu avx512f avx512_vnni", amd, torch.float32),
+            ("flags\t: fpu avx512f avx512_bf16", amd, torch.bfloat16),
+            # an Intel core's vdpbf16ps does no more multiply-adds a cycle than float32's FMAs
+            ("flags\t: fpu avx512f avx512_bf16 avx512_fp16", intel, torch.float32),
+            ("flags\t: fpu amx_tile amx_bf16 avx512f avx512_bf16", intel, torch.bfloat16),
+            ("Features\t: fp asimd bf16", None, torch.bfloat16),
+            ("Features\t: fp asimd", None, torch.float32),
+            (None, None, torch.bfloat16)]:
         monkeypatch.setattr(cpu_ops, "cpu_flags", lambda flags=flags: flags)
-        assert resolve_dtype("auto", "cpu") == expected, flags
+        monkeypatch.setattr(cpu_ops, "cpu_vendor", lambda vendor=vendor: vendor)
+        assert resolve_dtype("auto", "cpu") == expected, (flags, vendor)
         assert resolve_dtype("float32", "cpu") == torch.float32
     assert resolve_dtype("auto", "cuda") == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be"):

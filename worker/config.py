@@ -216,10 +216,13 @@ DTYPE_CHOICES = ("auto", "bfloat16", "float32")  # what --dtype takes
 def resolve_dtype(name: str, device: str | None = None) -> torch.dtype:
     """The serving dtype `--dtype name` means on `device` (None: `default_device()`).
 
-    "auto" is bfloat16 on CUDA and on CPUs with bfloat16 instructions (AMX, AVX512_BF16, Arm
-    BF16), float32 on other CPUs: there a bfloat16 matmul is emulated through float32 and W64
-    ran at 44.6 tokens/s against float32's 155.2 (2-core Xeon without exposed AMX or
-    AVX512_BF16, docs/benchmarks.md). A CPU whose flags cannot be read gets bfloat16.
+    "auto" is bfloat16 on CUDA and on CPUs that multiply bfloat16 faster than float32 (AMX, Arm
+    BF16, AMD's AVX512_BF16: `cpu_ops.cpu_prefers_bfloat16`), float32 on other CPUs. Without
+    bfloat16 instructions a bfloat16 matmul is emulated through float32 and W64 ran at 44.6
+    tokens/s against float32's 155.2 (a 2-core Xeon without exposed AMX or AVX512_BF16); with
+    AVX512_BF16 but no AMX an Intel core gains nothing from it, and W64 ran at 147.6 against
+    178.0 (docs/benchmarks.md, sessions 7 and 43). A CPU whose flags cannot be read gets
+    bfloat16.
 
     Raises:
         ValueError: a name other than "auto" or a key of DTYPES.
@@ -227,9 +230,9 @@ def resolve_dtype(name: str, device: str | None = None) -> torch.dtype:
     if name == "auto":
         if (device or default_device()).startswith("cuda"):
             return torch.bfloat16
-        from worker.cpu_ops import cpu_computes_bfloat16
+        from worker.cpu_ops import cpu_prefers_bfloat16
 
-        return torch.float32 if cpu_computes_bfloat16() is False else torch.bfloat16
+        return torch.float32 if cpu_prefers_bfloat16() is False else torch.bfloat16
     if name not in DTYPES:
         raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {name!r}")
     return DTYPES[name]

@@ -46,6 +46,16 @@ def cpu_flags() -> str | None:
         return None
 
 
+def cpu_vendor() -> str | None:
+    """x86's `vendor_id` ("GenuineIntel", "AuthenticAMD"); None on Arm or without `/proc/cpuinfo`."""
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("vendor_id"))
+    except (OSError, StopIteration):
+        return None
+    return line.split(":", 1)[-1].strip()
+
+
 def cpu_computes_bfloat16() -> bool | None:
     """Whether this CPU has bfloat16 arithmetic instructions: AMX or AVX512_BF16 on x86, BF16 on
     Arm. Without them oneDNN converts to float32 around every multiply-add, and a bfloat16
@@ -56,6 +66,26 @@ def cpu_computes_bfloat16() -> bool | None:
         return None
     words = set(flags.split(":", 1)[-1].split())
     return bool(words & {"amx_bf16", "avx512_bf16", "bf16"})
+
+
+def cpu_prefers_bfloat16() -> bool | None:
+    """Whether this CPU multiplies bfloat16 faster than float32, so that serving bfloat16 pays:
+    AMX, Arm BF16, or AVX512_BF16 on an AMD core. None where the flags cannot be read.
+
+    An Intel core without AMX (a Cooper Lake, or a Sapphire or Emerald Rapids whose hypervisor
+    hides AMX) issues `vdpbf16ps` on one port: its 32 multiply-adds a cycle are what two float32
+    FMA ports do, and oneDNN's bfloat16 matmul adds its conversions. On 2 cores of such an
+    Emerald Rapids a `[2048, 576] x [576, 1536]` matmul ran at 203 GFLOP/s in bfloat16 against
+    352 in float32, and W64 at 147.6 against 178.0 tokens/s (docs/benchmarks.md, session 43).
+    An AMD Zen 4 runs 512-bit FMAs at half rate and `vdpbf16ps` at full, and serves bfloat16
+    faster."""
+    flags = cpu_flags()
+    if flags is None:
+        return None
+    words = set(flags.split(":", 1)[-1].split())
+    if words & {"amx_bf16", "bf16"}:
+        return True
+    return "avx512_bf16" in words and cpu_vendor() != "GenuineIntel"
 
 
 def _cpu_tag() -> str:
