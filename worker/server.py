@@ -195,6 +195,7 @@ class WorkerServer:
         self.redis = redis.Redis.from_url(settings.redis_url)
         self._draining = threading.Event()
         self._stopped = threading.Event()
+        self._heartbeats: threading.Thread | None = None  # the thread of `_heartbeat_loop`
         self.incarnation = uuid.uuid4().hex[:12]
         self._totals = metrics.EngineTotals()
         self._failed_in_a_row = 0
@@ -268,6 +269,16 @@ class WorkerServer:
             except redis.RedisError as e:
                 log.warning("heartbeat failed: %s", e)
 
+    def _stop_heartbeats(self) -> None:
+        """Stop the heartbeat thread and wait out a heartbeat it is writing: one that lands after
+        the deregistration would bring the worker back, a ghost the gateway counts as ready and
+        the scheduler places requests on, until its key expires. Waits at most the heartbeat's
+        TTL (a heartbeat stuck on a Redis that is gone)."""
+        self._stopped.set()
+        thread = self._heartbeats
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=self.settings.heartbeat_ttl_s)
+
     def _deregister(self) -> None:
         pipe = self.redis.pipeline(transaction=False)
         pipe.srem(self.keys.workers, self.worker_id)
@@ -280,7 +291,7 @@ class WorkerServer:
         any more (a tensor-parallel rank died). Deregistering makes the scheduler notice now,
         not when the heartbeat expires, and move this worker's requests elsewhere."""
         log.error("worker %s failed: %s; leaving the fleet", self.worker_id, reason)
-        self._stopped.set()
+        self._stop_heartbeats()
         with contextlib.suppress(redis.RedisError):
             self._deregister()
         logging.shutdown()
@@ -298,7 +309,8 @@ class WorkerServer:
         self._read_loras(self.redis)
         self._sync_loras()  # the fleet's run-time adapters, before the first heartbeat
         self._heartbeat(self.redis)
-        threading.Thread(target=self._heartbeat_loop, daemon=True).start()
+        self._heartbeats = threading.Thread(target=self._heartbeat_loop, daemon=True)
+        self._heartbeats.start()
         plans = PlanFeed(self.settings.redis_url, self.keys.plans(self.worker_id))
         results = ResultSink(self.settings.redis_url, self.keys.results)
         levels, projections, level_rows = self.engine.model.levels_served()
@@ -322,7 +334,7 @@ class WorkerServer:
             status = 1
         finally:
             results.flush()  # the last results reach the scheduler before we leave
-            self._stopped.set()
+            self._stop_heartbeats()
             with contextlib.suppress(redis.RedisError):
                 self._heartbeat(self.redis)  # last word: draining, with what is left
                 self._deregister()
