@@ -46,6 +46,7 @@ from gateway.loras import RuntimeLoRAs, loras_router
 from gateway.models import ModelCatalog, ServedModel
 from gateway.pages import pages_router
 from gateway.prepare import Prepared, PromptTooLong, RequestPreparation
+from gateway.reasoning import Piece
 from gateway.responses import (
     TERMINAL,
     ResponseShape,
@@ -293,7 +294,9 @@ class Gateway(RequestPreparation):
         """Enqueue and yield (new text, event) until the request finishes.
 
         Text is detokenized incrementally and cut at stop strings; a stop string cancels the
-        request in the fleet. Leaving the iterator early (client gone) cancels it too.
+        request in the fleet. Leaving the iterator early (client gone) cancels it too. The text
+        of an event that brought tokens is a `Piece`: it knows where each token's text ends
+        (an event holds several at `--stream-interval` > 1).
         """
         assert self.redis is not None
         q: asyncio.Queue[TokenEvent] = asyncio.Queue()
@@ -328,12 +331,14 @@ class Gateway(RequestPreparation):
                     continue  # a duplicate after a failover
                 first = end = max(0, next_index - ev.index)  # tokens already had: skipped
                 out, hit = "", False
+                ends: list[int] = []  # where each new token's text ends in `out`
                 now = time.perf_counter()
                 # Token by token: an event may carry several (--stream-interval), and a stop
                 # string ends the request at the token that completes it.
                 while end < len(ev.token_ids) and not hit:
                     piece, hit = stops.feed(detok.add(ev.token_ids[end]))
                     out += piece
+                    ends.append(len(out))
                     end += 1
                     if last_token_t is None:
                         first_token_t = now
@@ -352,13 +357,13 @@ class Gateway(RequestPreparation):
                     self.cancel_soon(p.request_id)
                     finished = replace(ev, finish_reason="stop", error=None, error_status=None,
                                        completion_tokens=next_index)
-                    yield out, finished
+                    yield Piece.of(out, ends), finished
                     return
                 if ev.finish_reason is not None:
                     finished = ev
-                    yield out + stops.flush(), ev
+                    yield Piece.of(out + stops.flush(), ends), ev
                     return
-                yield out, ev
+                yield Piece.of(out, ends), ev
         finally:
             self.queues.pop(p.request_id, None)
             metrics.ACTIVE_STREAMS.dec()

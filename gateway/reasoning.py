@@ -21,11 +21,29 @@ alone (SmolLM2 does, when a newline follows the tag).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 START, END = "<think>", "</think>"
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
+class Piece(str):
+    """The new text of one token event, as `Gateway.run` yields it, knowing where each of the
+    event's tokens' text ends in it (`token_ends`, characters, one a token, rising; text a stop
+    string held back counts to the token that let it go). An event holds several tokens at
+    `--stream-interval` > 1, and the thinking may end at any of them."""
+
+    token_ends: tuple[int, ...]
+
+    @classmethod
+    def of(cls, text: str, token_ends: Sequence[int]) -> Piece:
+        piece = cls(text)
+        piece.token_ends = tuple(token_ends)
+        if piece.token_ends:  # text let go after the last token (a flush) is that token's
+            piece.token_ends = (*piece.token_ends[:-1], len(text))
+        return piece
 
 
 def _could_begin(text: str, tag: str) -> int:
@@ -69,17 +87,19 @@ class Reasoning:
         return reasoning or None, (content or None) if ended else None
 
     def feed(self, choice: int, piece: str, finished: bool, tokens: int = 0) -> tuple[str, str]:
-        """A choice's next text `piece` (of `tokens` tokens) as (reasoning, content) to send:
-        reasoning until `</think>`, content after it; what could still begin a tag is held
-        back until the next piece tells, or the choice finishes. Joined, the pieces are
-        `split`'s parts."""
-        return self._readers.setdefault(choice, _Reader()).feed(piece, finished, tokens)
+        """A choice's next text `piece` (of `tokens` tokens; a `Piece` tells its own) as
+        (reasoning, content) to send: reasoning until `</think>`, content after it; what could
+        still begin a tag is held back until the next piece tells, or the choice finishes.
+        Joined, the pieces are `split`'s parts."""
+        ends = piece.token_ends if isinstance(piece, Piece) else None
+        return self._readers.setdefault(choice, _Reader()).feed(
+            piece, finished, len(ends) if ends is not None else tokens, ends)
 
     def thinking_tokens(self, choice: int) -> int:
         """How many of a choice's tokens so far were thinking (usage's `reasoning_tokens`):
-        those of every piece fed before the answer began, the one that ended the thinking
-        included. Exact when each piece is one token (`--stream-interval 1`); with several,
-        the answer's first tokens in the piece that ends the thinking count too."""
+        every token before the answer began, the one whose text completes `</think>`
+        included. Where a piece of several tokens is a plain `str`, not a `Piece`, all of the
+        piece that ends the thinking counts."""
         reader = self._readers.get(choice)
         return reader.thinking_tokens if reader is not None else 0
 
@@ -93,20 +113,26 @@ class _Reader:
     content_from: int | None = None  # where the content begins in `text`, once `</think>` has
     thinking_tokens: int = 0  # tokens fed before the content began
 
-    def feed(self, piece: str, finished: bool, tokens: int) -> tuple[str, str]:
+    def feed(self, piece: str, finished: bool, tokens: int,
+             ends: tuple[int, ...] | None = None) -> tuple[str, str]:
         self.text += piece
         if self.content_from is not None:
             return "", piece
-        self.thinking_tokens += tokens
         stripped = self.text.lstrip()
         if not finished and START.startswith(stripped) and stripped != START:
+            self.thinking_tokens += tokens
             return "", ""  # blank, or what could still be the opening tag
         begin = len(self.text) - len(stripped) + len(START) if stripped.startswith(START) else 0
         end = self.text.find(END, begin)
         if end >= 0:
             self.content_from = end + len(END)
+            # The piece's tokens up to the one whose text completes the tag.
+            reach = self.content_from - (len(self.text) - len(piece))
+            self.thinking_tokens += next((i + 1 for i, e in enumerate(ends) if e >= reach),
+                                         tokens) if ends else tokens
             reasoning, content = self.text[begin:end], self.text[self.content_from:]
         else:
+            self.thinking_tokens += tokens
             held = 0 if finished else _could_begin(self.text, END)
             reasoning, content = self.text[begin:len(self.text) - held], ""
         out = reasoning[self.reasoning_sent:]

@@ -608,18 +608,18 @@ class ResponseShape:
         async with contextlib.aclosing(run) as stream:  # leaving early cancels the request
             async for piece, ev in stream:
                 text += piece
-                thought_tokens = False  # the event's tokens were thinking (no logprobs then)
+                thought_tokens = 0  # the event's first tokens that were thinking (no logprobs)
                 if self.reasoning is not None:  # the thinking, then the answer's `piece`
                     counted = self.reasoning.thinking_tokens(0)
                     more, piece = self.reasoning.feed(0, piece, ev.finish_reason is not None,
                                                       len(ev.token_ids))
-                    thought_tokens = self.reasoning.thinking_tokens(0) > counted
+                    thought_tokens = self.reasoning.thinking_tokens(0) - counted
                     group += thinking(more, bool(piece))
                     if waiting is not None and piece:
                         group += opened(0, waiting)
                         waiting = None
-                if self.logprobs is not None and ev.token_ids and not thought_tokens:
-                    entries = self.logprobs(ev)
+                if self.logprobs is not None and len(ev.token_ids) > thought_tokens:
+                    entries = self.logprobs(ev)[thought_tokens:]
                     logprobs += entries
                     pending += entries
                 if ev.finish_reason == "error":

@@ -12,7 +12,7 @@ import random
 import httpx
 import pytest
 
-from gateway.reasoning import Reasoning
+from gateway.reasoning import Piece, Reasoning
 from tests.conftest import extra_gateway
 from tests.test_tools import _all, _pieces, _usage
 
@@ -43,6 +43,30 @@ def test_a_reply_splits_into_thinking_and_answer_whole_or_in_pieces(text, though
             if end < len(text):
                 assert "<" not in sent[1] and not sent[0].endswith("<")  # tags held back
         assert (sent[0] or None, sent[1] or None) == (thought, answer)
+
+
+def test_thinking_tokens_end_at_the_token_that_completes_the_tag_in_any_grouping():
+    """Under `--stream-interval` > 1 one piece holds several tokens: the thinking counts up to
+    the token whose text completes `</think>`, however the tokens are grouped; a plain `str`
+    piece of several tokens counts whole (what the reader can know)."""
+    tokens = ["<think>", "Two", " and", " two", ".</", "think", ">", "It", " is", " 4", "."]
+    thinking = 7  # through ">"
+    rng = random.Random(1)
+    for _ in range(40):
+        cuts = sorted(rng.sample(range(1, len(tokens)), rng.randint(0, 5)))
+        reasoning, sent = Reasoning("deepseek_r1"), ["", ""]
+        for a, b in zip([0, *cuts], [*cuts, len(tokens)]):
+            group = tokens[a:b]
+            ends = [len("".join(group[:k + 1])) for k in range(len(group))]
+            for k, part in enumerate(reasoning.feed(0, Piece.of("".join(group), ends),
+                                                    b == len(tokens))):
+                sent[k] += part
+        assert reasoning.thinking_tokens(0) == thinking, cuts
+        assert sent == ["Two and two.", "It is 4."]
+    whole = Reasoning("deepseek_r1")
+    whole.feed(0, "".join(tokens[:5]), False, 5)
+    whole.feed(0, "".join(tokens[5:]), True, 6)
+    assert whole.thinking_tokens(0) == len(tokens)
 
 
 def test_qwen3_asked_not_to_think_answers_only():

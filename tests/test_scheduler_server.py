@@ -13,6 +13,7 @@ import redis.asyncio
 
 import scheduler.server as scheduler_server
 from gateway.app import Gateway
+from gateway.reasoning import Piece
 from gateway.schemas import CompletionRequest
 from shoal.keys import Keys
 from shoal.messages import (
@@ -282,6 +283,15 @@ def test_the_gateway_ends_a_grouped_event_at_the_token_that_completes_a_stop(red
     assert last.finish_reason == "stop" and last.completion_tokens == stop_at + 1
     assert [t for _, ev in out for t in ev.token_ids] == ids[:stop_at + 1]
     assert len(out[0][1].token_ids) == 1 and len(out[1][1].token_ids) > 1  # grouped
+    # Each piece knows where its tokens' text ends (the reasoning parser's count needs it): the
+    # text through token k is the decoding of the first k + 1, up to the stop string's cut.
+    offset, ends = 0, []
+    for piece, ev in out:
+        assert isinstance(piece, Piece) and len(piece.token_ends) == len(ev.token_ids)
+        ends += [offset + e for e in piece.token_ends]
+        offset += len(piece)
+    assert ends == [min(len(tokenizer.decode(ids[:k + 1])), len(" one two three"))
+                    for k in range(stop_at + 1)]
 
 
 def test_the_gateway_hands_on_only_the_new_tokens_of_a_replayed_event(redis_url):
