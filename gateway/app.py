@@ -471,7 +471,8 @@ class Gateway(RequestPreparation):
             num_free_blocks=info.num_free_blocks, num_total_blocks=info.num_total_blocks,
             block_size=info.block_size, num_running=info.num_running,
             max_model_len=info.max_model_len,
-            heartbeat_age_s=max(0.0, now - info.heartbeat_at) if info.heartbeat_at else None)
+            heartbeat_age_s=max(0.0, now - info.heartbeat_at) if info.heartbeat_at else None,
+            loras=info.loras)
             for info, alive in infos]
         return FleetStatus(model=self.catalog.default.name,
                            models=[m.name for m in self.catalog.models],

@@ -10,7 +10,8 @@ once the adapter serves everywhere, or names the worker that could not read it (
 then taken back). Unloading deletes the entry; workers drop the adapter once their requests of
 it finish, and the reply waits for that. Every gateway reads the hash each second
 (`RuntimeLoRAs.refresh_forever`), so an adapter loaded through one is a model of all of them.
-Adapters belong to the first model a gateway serves; `--lora-modules` ones are not unloaded.
+An adapter belongs to the model its load names in `base_model` (shoal's field; vLLM serves one
+model), by default the gateway's first; `--lora-modules` adapters are not unloaded.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class LoadLoRAAdapterRequest(BaseModel):
     lora_path: str = Field(min_length=1, max_length=4096,
                            description="the adapter's PEFT directory, as the workers see it")
     load_inplace: bool = Field(False, description="replace an adapter loaded under that name")
+    base_model: str | None = Field(None, max_length=256, description=(
+        "shoal's: the served model the adapter was trained on (default: the gateway's first)"))
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
@@ -69,9 +72,22 @@ class RuntimeLoRAs:
     def __init__(self, gateway: Any, timeout_s: float = 60.0, poll_s: float = 0.2) -> None:
         self.gw, self.timeout_s, self.poll_s = gateway, timeout_s, poll_s
 
-    @property
-    def base(self):
-        return self.gw.catalog.default
+    def base(self, name: str | None):
+        """The served model (`ServedModel`) `name` names, None: the gateway's first.
+
+        Raises:
+            APIError: 404 for a name that is not one of the gateway's models (an adapter is
+                not a base).
+        """
+        catalog = self.gw.catalog
+        if name is None:
+            return catalog.default
+        base = next((m for m in catalog.models if m.name == name), None)
+        if base is None:
+            raise APIError(f"base_model {name!r} is not a model this gateway serves; try "
+                           f"{', '.join(repr(m.name) for m in catalog.models)}", status=404,
+                           param="base_model", kind="not_found_error")
+        return base
 
     async def refresh(self) -> None:
         """Serve, as models, exactly the adapters the fleet lists for each base model."""
@@ -90,21 +106,24 @@ class RuntimeLoRAs:
                 await self.refresh()
             await asyncio.sleep(interval_s)
 
-    async def _workers(self) -> list[WorkerInfo]:
-        """The alive, undrained workers of the base model, as their last heartbeats say."""
+    async def _workers(self, base) -> list[WorkerInfo]:
+        """The alive, undrained workers of model `base`, as their last heartbeats say."""
         return [info for info, alive in await self.gw.worker_infos()
-                if alive and info.model == self.base.name and not info.draining]
+                if alive and info.model == base.name and not info.draining]
 
-    async def load(self, name: str, path: str, inplace: bool = False) -> str:
-        """Load adapter `name` from `path` on every worker of the base model.
+    async def load(self, name: str, path: str, inplace: bool = False,
+                   base_model: str | None = None) -> str:
+        """Load adapter `name` from `path` on every worker of `base_model` (None: the
+        gateway's first model).
 
         Raises:
             APIError: 400 for a name taken (by a model, a `--lora-modules` adapter, or a loaded
                 adapter unless `inplace`) or an adapter a worker cannot read (named with the
-                worker's reason); 503 where no worker serves the model or they did not load it
-                within `timeout_s`.
+                worker's reason); 404 for a `base_model` not served here; 503 where no worker
+                serves the model or they did not load it within `timeout_s`.
         """
-        catalog, key = self.gw.catalog, self.gw.keys.loras(self.base.name)
+        base = self.base(base_model)
+        catalog, key = self.gw.catalog, self.gw.keys.loras(base.name)
         await self.refresh()
         if catalog.is_static(name):
             raise APIError(f"{name!r} names a model or a --lora-modules adapter; choose another "
@@ -112,19 +131,22 @@ class RuntimeLoRAs:
         if name in catalog.names and not inplace:
             raise APIError(f"The lora adapter {name!r} has already been loaded.",
                            param="lora_name")
-        if not await self._workers():
-            raise APIError(f"no alive worker serves {self.base.name!r}: the adapter was not "
+        if inplace and name in catalog.names and catalog.get(name).fleet_name != base.name:
+            raise APIError(f"{name!r} is an adapter of {catalog.get(name).fleet_name!r}, not of "
+                           f"{base.name!r}; unload it first", param="lora_name")
+        if not await self._workers(base):
+            raise APIError(f"no alive worker serves {base.name!r}: the adapter was not "
                            "loaded", status=503, kind="server_error")
         await self.gw.redis.hset(key, name, path)
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         while True:
-            workers = await self._workers()
+            workers = await self._workers(base)
             failed = next((w for w in workers if w.lora_errors.get(name, [None])[0] == path),
                           None)
             if failed is not None or not workers:
                 await self._take_back(key, name, path)
                 if failed is None:
-                    raise APIError(f"every worker of {self.base.name!r} left while loading "
+                    raise APIError(f"every worker of {base.name!r} left while loading "
                                    f"{name!r}", status=503, kind="server_error")
                 raise APIError(f"worker {failed.worker_id} cannot load LoRA adapter {name!r}: "
                                f"{failed.lora_errors[name][1]}", param="lora_path")
@@ -159,12 +181,15 @@ class RuntimeLoRAs:
             raise APIError(f"{name!r} was given on the command line (a model or a "
                            "--lora-modules adapter) and is not unloaded at run time",
                            param="lora_name")
-        if not await self.gw.redis.hdel(self.gw.keys.loras(self.base.name), name):
+        for base in catalog.models:  # the model whose list holds it
+            if await self.gw.redis.hdel(self.gw.keys.loras(base.name), name):
+                break
+        else:
             raise APIError(f"The lora adapter {name!r} cannot be found.", status=404,
                            param="lora_name", kind="not_found_error")
         await self.refresh()
         deadline = asyncio.get_running_loop().time() + self.timeout_s
-        while (any(name in w.loras for w in await self._workers())
+        while (any(name in w.loras for w in await self._workers(base))
                and asyncio.get_running_loop().time() < deadline):
             await asyncio.sleep(self.poll_s)
         log.info("LoRA adapter %s unloaded", name)
@@ -187,10 +212,10 @@ def loras_router(runtime: RuntimeLoRAs, enabled: bool,
     @router.post("/v1/load_lora_adapter", responses={**text, **errors(400, 401, 404, 503)})
     async def load_lora_adapter(req: LoadLoRAAdapterRequest):
         """vLLM's: serve the PEFT adapter at `lora_path` as the model `lora_name` on every
-        worker of the fleet's base model."""
+        worker of its base model (`base_model`, shoal's; default the gateway's first)."""
         check()
         return PlainTextResponse(await runtime.load(req.lora_name, req.lora_path,
-                                                    req.load_inplace))
+                                                    req.load_inplace, req.base_model))
 
     @router.post("/v1/unload_lora_adapter", responses={**text, **errors(400, 401, 404)})
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):

@@ -478,6 +478,8 @@ class FleetWorker(BaseModel):
     num_running: int = Field(description="requests in its engine")
     max_model_len: int
     heartbeat_age_s: float | None = Field(description="seconds since its last heartbeat")
+    loras: dict[str, str] = Field(default_factory=dict,
+                                  description="the LoRA adapters it serves, name -> directory")
 
 
 class FleetStatus(BaseModel):

@@ -19,8 +19,9 @@ OTHER = "Other-Model"
 
 @pytest.fixture(scope="module")
 def two_model_fleet(tmp_path_factory):
-    """`shoal up --model SmolLM2 --model Other-Model` as `start_fleet` runs it: one float32
-    worker per model (worker-0 SmolLM2's, worker-1 the other's), the processes' logs in a file."""
+    """`shoal up --model SmolLM2 --model Other-Model --allow-runtime-lora-updating` as
+    `start_fleet` runs it: one float32 worker per model (worker-0 SmolLM2's, worker-1 the
+    other's), the processes' logs in a file."""
     root = tmp_path_factory.mktemp("models")
     other = root / f"{OTHER}.gguf"
     other.symlink_to(default_model_path())
@@ -29,7 +30,8 @@ def two_model_fleet(tmp_path_factory):
         fleet = start_fleet("127.0.0.1", free_port(), 1, None,
                             ["--dtype", "float32", "--kv-cache-bytes", str(256 << 20),
                              "--threads", "1"], 1, metrics_port_base=0, log=log,
-                            models=[str(default_model_path()), str(other)])
+                            models=[str(default_model_path()), str(other)],
+                            gateway_args=["--allow-runtime-lora-updating"])
         try:
             yield fleet, log_path
         finally:
@@ -91,6 +93,39 @@ def test_each_request_runs_on_a_worker_of_the_model_it_names(two_model_fleet, or
     tokenized = httpx.post(fleet.url + "/tokenize", json={"model": OTHER, "prompt": prompt},
                            timeout=30).json()
     assert tokenized["tokens"] == tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def test_an_adapter_loaded_at_run_time_serves_on_the_model_it_names(two_model_fleet, fp32_model,
+                                                                     tmp_path):
+    """`base_model` (shoal's field of `/v1/load_lora_adapter`) puts an adapter on the second
+    model's workers alone: listed with that parent, its requests run on worker-1; a base the
+    gateway does not serve is refused; unloading finds the adapter under its model."""
+    from tests.test_lora import write_adapter
+
+    fleet, log_path = two_model_fleet
+    url = fleet.url
+    write_adapter(tmp_path / "a", fp32_model[0], seed=3)
+    load = {"lora_name": "other-a", "lora_path": str(tmp_path / "a")}
+    r = httpx.post(url + "/v1/load_lora_adapter", json={**load, "base_model": "Nope"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "base_model"
+    assert OTHER in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/load_lora_adapter", json={**load, "base_model": OTHER}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert httpx.get(url + "/v1/models/other-a", timeout=30).json()["parent"] == OTHER
+    workers = {w["worker_id"]: w for w in httpx.get(url + "/v1/fleet", timeout=30).json()["workers"]}
+    assert workers["worker-1"]["loras"] == {"other-a": str(tmp_path / "a")}
+    assert workers["worker-0"]["loras"] == {}
+    reply = httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": "other-a", "prompt": "Hello", "max_tokens": 4, "temperature": 0}).json()
+    for _ in range(50):
+        if reply["id"] in (log := finished_requests(log_path)):
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert log[reply["id"]]["worker"] == "worker-1" and reply["model"] == "other-a"
+    r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "other-a"}, timeout=120)
+    assert r.status_code == 200, r.text
+    r = httpx.post(url + "/v1/completions", timeout=30, json={"model": "other-a", "prompt": "Hi"})
+    assert r.status_code == 404
 
 
 def test_the_gateway_is_ready_only_while_every_model_has_a_worker(two_model_fleet):
