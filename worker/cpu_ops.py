@@ -36,24 +36,31 @@ _lock = threading.Lock()
 _state: dict[str, bool] = {}
 
 
+def _cpuinfo_line(*keys: str) -> str | None:
+    """The first line of `/proc/cpuinfo` that starts with one of `keys`, or None."""
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith(keys))
+    except (OSError, StopIteration):
+        return None
+
+
 def cpu_flags() -> str | None:
     """The first CPU's feature flags as Linux lists them (`flags` on x86, `Features` on Arm),
     or None where there is no `/proc/cpuinfo`."""
-    try:
-        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith(("flags", "Features")))
-    except (OSError, StopIteration):
-        return None
+    return _cpuinfo_line("flags", "Features")
+
+
+def cpu_flag_words() -> frozenset[str] | None:
+    """`cpu_flags` as a set of flag names ("avx512_bf16", "amx_bf16", "bf16", ...)."""
+    flags = cpu_flags()
+    return None if flags is None else frozenset(flags.split(":", 1)[-1].split())
 
 
 def cpu_vendor() -> str | None:
     """x86's `vendor_id` ("GenuineIntel", "AuthenticAMD"); None on Arm or without `/proc/cpuinfo`."""
-    try:
-        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("vendor_id"))
-    except (OSError, StopIteration):
-        return None
-    return line.split(":", 1)[-1].strip()
+    line = _cpuinfo_line("vendor_id")
+    return None if line is None else line.split(":", 1)[-1].strip()
 
 
 def cpu_computes_bfloat16() -> bool | None:
@@ -61,11 +68,8 @@ def cpu_computes_bfloat16() -> bool | None:
     Arm. Without them oneDNN converts to float32 around every multiply-add, and a bfloat16
     matmul runs several times slower than a float32 one (docs/benchmarks.md, session 7). None
     where the flags cannot be read."""
-    flags = cpu_flags()
-    if flags is None:
-        return None
-    words = set(flags.split(":", 1)[-1].split())
-    return bool(words & {"amx_bf16", "avx512_bf16", "bf16"})
+    words = cpu_flag_words()
+    return None if words is None else bool(words & {"amx_bf16", "avx512_bf16", "bf16"})
 
 
 def cpu_prefers_bfloat16() -> bool | None:
@@ -79,10 +83,9 @@ def cpu_prefers_bfloat16() -> bool | None:
     352 in float32, and W64 at 147.6 against 178.0 tokens/s (docs/benchmarks.md, session 43).
     An AMD Zen 4 runs 512-bit FMAs at half rate and `vdpbf16ps` at full, and serves bfloat16
     faster."""
-    flags = cpu_flags()
-    if flags is None:
+    words = cpu_flag_words()
+    if words is None:
         return None
-    words = set(flags.split(":", 1)[-1].split())
     if words & {"amx_bf16", "bf16"}:
         return True
     return "avx512_bf16" in words and cpu_vendor() != "GenuineIntel"

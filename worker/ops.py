@@ -105,9 +105,8 @@ def int8_matmul_fast() -> bool:
     runs on int8 dot-product instructions here: AVX-512 VNNI or AMX. On an AVX2-only CPU (AMD
     Zen 3) it ran a reference loop at 6 GOP/s, against float32's 146 GFLOP/s through oneDNN
     (docs/benchmarks.md, session 15), so W8A8 keeps float activations there."""
-    flags = cpu_ops.cpu_flags()
-    return flags is not None and bool(set(flags.split(":", 1)[-1].split())
-                                      & {"avx512_vnni", "amx_int8"})
+    words = cpu_ops.cpu_flag_words()
+    return words is not None and bool(words & {"avx512_vnni", "amx_int8"})
 
 
 def amx_available() -> bool:
