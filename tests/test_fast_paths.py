@@ -326,7 +326,7 @@ def test_quantization_is_deterministic_and_within_its_perplexity_bound(bf16_mode
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_float32_quantization_is_deterministic_and_within_its_perplexity_bound(
         fp32_model, tokenizer, fp32_perplexities, quantization):
-    """Where the engine serves float32 (`--dtype auto` on CPUs without bfloat16 instructions),
+    """Where the engine serves float32 (`--dtype auto` on CPUs without fast bfloat16 arithmetic),
     few-row iterations take the lanes kernels: one token per iteration is their path; a
     512-token prompt is the path of large iterations (on AVX2-only and AVX-512 VNNI CPUs,
     int4's int8 activations at every size)."""

@@ -118,7 +118,7 @@ for the number of rows an iteration brings.
   where the split falls on them, else not used).
 - **Lanes kernels for float32 iterations of a few rows under `--quantization`**
   (`shoal::int8_linear`, `shoal::int4_linear`, any AVX-512 CPU): where the engine serves float32
-  (`--dtype auto` on CPUs without bfloat16 instructions), torch's weight-only kernels were slower
+  (`--dtype auto` on CPUs without fast bfloat16 arithmetic), torch's weight-only kernels were slower
   than the unquantized matmul: single-stream decode steps of 50 ms (int8) and 126 ms (int4)
   against 27 ms on a 2-core Xeon. These kernels keep the activations in float32 and widen 16
   output channels' weights per vector (int4: a nibble becomes its float level in one `vpermps`).
