@@ -139,6 +139,43 @@ def test_the_responses_and_messages_streams_put_the_thinking_first():
         assert events[-2]["delta"]["stop_reason"] == ("tool_use" if tools else "end_turn")
 
 
+def test_a_grouped_event_keeps_its_answer_tokens_logprobs_on_the_responses_api():
+    """At `--stream-interval` > 1 an event may hold the end of the thinking and the start of
+    the answer: the message's logprobs are the answer's tokens exactly, in any grouping."""
+    from gateway.responses import ResponseShape, ResponsesRequest
+    from shoal.messages import TokenEvent
+
+    tokens = ["<think>", "Two", ".</", "think", ">", "It", " is", " 4", "."]
+    answer = tokens[5:]
+
+    async def stored(_response) -> None:
+        pass
+
+    def grouped(size: int):
+        async def run():
+            for a in range(0, len(tokens), size):
+                group = tokens[a:a + size]
+                ends = [len("".join(group[:k + 1])) for k in range(len(group))]
+                last = a + size >= len(tokens)
+                yield Piece.of("".join(group), ends), TokenEvent(
+                    "r", a, list(range(a, a + len(group))), [-0.1] * len(group),
+                    finish_reason="stop" if last else None, prompt_tokens=3,
+                    completion_tokens=len(tokens))
+        return run()
+
+    for size in (1, 2, 3, 4, 9):
+        req = ResponsesRequest(model="m", input="x", include=["message.output_text.logprobs"])
+        shape = ResponseShape(req, "m", None, lambda ev: [
+            {"token": tokens[t], "logprob": lp, "bytes": [], "top_logprobs": []}
+            for t, lp in zip(ev.token_ids, ev.logprobs)], Reasoning("deepseek_r1"))
+        events = asyncio.run(_all(shape.events(grouped(size), _usage, stored)))
+        reasoning, message = events[-1]["response"]["output"]
+        assert reasoning["content"][0]["text"] == "Two."
+        (text,) = message["content"]
+        assert text["text"] == "".join(answer)
+        assert [e["token"] for e in text["logprobs"]] == answer, size
+
+
 def _last_event(text: str):
     from shoal.messages import TokenEvent
 
