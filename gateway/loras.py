@@ -131,9 +131,10 @@ class RuntimeLoRAs:
         if name in catalog.names and not inplace:
             raise APIError(f"The lora adapter {name!r} has already been loaded.",
                            param="lora_name")
-        if inplace and name in catalog.names and catalog.get(name).fleet_name != base.name:
-            raise APIError(f"{name!r} is an adapter of {catalog.get(name).fleet_name!r}, not of "
-                           f"{base.name!r}; unload it first", param="lora_name")
+        owner = catalog.get(name).fleet_name if name in catalog.names else base.name
+        if owner != base.name:  # an in-place load may not move an adapter to another model
+            raise APIError(f"{name!r} is an adapter of {owner!r}, not of {base.name!r}; "
+                           "unload it first", param="lora_name")
         if not await self._workers(base):
             raise APIError(f"no alive worker serves {base.name!r}: the adapter was not "
                            "loaded", status=503, kind="server_error")

@@ -126,15 +126,14 @@ class _Reader:
         end = self.text.find(END, begin)
         if end >= 0:
             self.content_from = end + len(END)
-            # The piece's tokens up to the one whose text completes the tag.
+            # Of this piece, the tokens up to the one whose text completes the tag.
             reach = self.content_from - (len(self.text) - len(piece))
-            self.thinking_tokens += next((i + 1 for i, e in enumerate(ends) if e >= reach),
-                                         tokens) if ends else tokens
+            tokens = next((i + 1 for i, e in enumerate(ends or ()) if e >= reach), tokens)
             reasoning, content = self.text[begin:end], self.text[self.content_from:]
         else:
-            self.thinking_tokens += tokens
             held = 0 if finished else _could_begin(self.text, END)
             reasoning, content = self.text[begin:len(self.text) - held], ""
+        self.thinking_tokens += tokens
         out = reasoning[self.reasoning_sent:]
         self.reasoning_sent = max(self.reasoning_sent, len(reasoning))
         return out, content

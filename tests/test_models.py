@@ -99,7 +99,8 @@ def test_an_adapter_loaded_at_run_time_serves_on_the_model_it_names(two_model_fl
                                                                      tmp_path):
     """`base_model` (shoal's field of `/v1/load_lora_adapter`) puts an adapter on the second
     model's workers alone: listed with that parent, its requests run on worker-1; a base the
-    gateway does not serve is refused; unloading finds the adapter under its model."""
+    gateway does not serve is refused, and so is an in-place load onto another model; unloading
+    finds the adapter under its model."""
     from tests.test_lora import write_adapter
 
     fleet, log_path = two_model_fleet
@@ -115,6 +116,9 @@ def test_an_adapter_loaded_at_run_time_serves_on_the_model_it_names(two_model_fl
     workers = {w["worker_id"]: w for w in httpx.get(url + "/v1/fleet", timeout=30).json()["workers"]}
     assert workers["worker-1"]["loras"] == {"other-a": str(tmp_path / "a")}
     assert workers["worker-0"]["loras"] == {}
+    moved = httpx.post(url + "/v1/load_lora_adapter", json={**load, "load_inplace": True},
+                       timeout=30)  # onto the first model: an in-place load may not move it
+    assert moved.status_code == 400 and "unload it first" in moved.json()["error"]["message"]
     reply = httpx.post(url + "/v1/completions", timeout=120, json={
         "model": "other-a", "prompt": "Hello", "max_tokens": 4, "temperature": 0}).json()
     for _ in range(50):
