@@ -105,6 +105,35 @@ def test_decoding_from_the_files_4_bit_levels_changes_no_logprob(dtype, bf16_mod
     assert runs[0] == runs[1]
 
 
+@pytest.mark.skipif(not ops.int8_matmul_fast(), reason="w8a8 quantizes no activation here")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_w8a8_iterations_below_its_int8_activations_are_unquantized(dtype, bf16_model,
+                                                                    fp32_model, tokenizer):
+    """Under w8a8, iterations of fewer than W8A8_MIN_ROWS rows run as unquantized ones: the
+    projections read the file's 4-bit levels (through shoal::decode_stack; float32 serving
+    where an Intel CPU without AMX prefers it) and the LM head is the unquantized one. With a chunk budget of 8 tokens every iteration is such an iteration,
+    and the tokens and every logprob equal the unquantized engine's to the bit."""
+    from worker.linear import W8A8_MIN_ROWS
+
+    runs = []
+    for quantization in ("none", "w8a8"):
+        engine = make_engine(bf16_model if dtype == torch.bfloat16 else fp32_model, dtype=dtype,
+                             quantization=quantization, max_num_batched_tokens=8)
+        qkv = engine.model.layers[0].qkv
+        if quantization == "none" and qkv.q4 is None:
+            pytest.skip(f"no 4-bit levels kernel for {dtype} on this CPU")
+        if quantization == "w8a8":
+            assert qkv.uses_w8a8(W8A8_MIN_ROWS) and 8 <= qkv.q4_max_rows < W8A8_MIN_ROWS
+            assert engine.model.stack_max_rows >= 8
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+        # (The short prompts: the long one would be 50 iterations of prefill.)
+        reqs = [dataclasses.replace(r, params=params) for r in _requests(tokenizer, 12)[:3]]
+        out = generate(engine, reqs)
+        runs.append({r: (c.token_ids, c.logprobs) for r, c in out.items()})
+    assert len(runs[0]) == 3 and all(len(tokens) == 12 for tokens, _ in runs[0].values())
+    assert runs[0] == runs[1]
+
+
 def _q4_model(dtype: torch.dtype):
     """A small random Llama (head_dim 64, 3 query heads a K/V head, as SmolLM2) whose every
     projection carries GGUF 4-bit levels that give back its weight, as the loader's do."""

@@ -523,7 +523,9 @@ class Linear:
             (`shoal::dp_linear_silu`, `amx_linear(..., silu_and_mul=True)`; calling the
             projection itself still returns `[gate | up]`).
         q4: the GGUF 4-bit levels `[out, in]` uint8 and scales `[out, in / 32, 2]` float16 the
-            weight was dequantized from (worker.loader), or None. Unquantized, where the levels
+            weight was dequantized from (worker.loader), or None. Unquantized or under w8a8
+            (below W8A8_MIN_ROWS where it quantizes activations; its few-row int8 copies are then
+            not kept), where the levels
             give back the weight bit for bit (checked here), iterations of up to Q4_MAX_ROWS rows
             read them through `shoal::q4_linear` where dp_linear serves (bfloat16; of up to
             Q4_AMX_MAX_ROWS through `shoal::q4_amx_linear` where amx_linear does), and of up to
@@ -617,23 +619,6 @@ class Linear:
             if self.pairs_max_rows:
                 self.pairs = on_huge_pages(torch.ops.shoal.pack_weight_pairs(
                     swiglu_interleave(weight) if self.swiglu_pairs else weight))
-        # GGUF's 4-bit levels for few-row iterations: shoal::q4_linear beside dp_linear
-        # (bfloat16), shoal::q4_lanes_linear beside f32_linear (float32).
-        self.q4: torch.Tensor | None = None
-        self.q4_lanes = False
-        self.q4_max_rows = 0
-        if q4 is not None and quantization == "none":
-            if self.amx:  # shoal::q4_amx_linear, amx_linear's bits
-                self.q4 = self._pack_q4(weight, *q4, pack_q4_pairs)
-                self.q4_max_rows = Q4_AMX_MAX_ROWS
-            elif self.pairs is not None and self.pairs_max_rows >= Q4_MAX_ROWS:
-                self.q4 = self._pack_q4(weight, *q4, pack_q4_pairs)
-                self.q4_max_rows = Q4_MAX_ROWS
-            elif self.lanes_op is not None and quantization == "none":  # f32_linear's lanes
-                self.q4 = self._pack_q4(weight, *q4, pack_q4_lanes)
-                self.q4_lanes, self.q4_max_rows = True, Q4_LANES_MAX_ROWS
-            if self.q4 is None:
-                self.q4_max_rows = 0
         # `[in, out]` int8 (a transposed view: what torch._int_mm takes) and `[out]` float32
         # scales. Not where AMX tiles serve bfloat16: they beat `torch._int_mm` at every size
         # measured on an AMX host (`[2048, 576] x [576, 3072]`: 3.2-4.0 ms against oneDNN's
@@ -651,6 +636,33 @@ class Linear:
             if (kernels and weight.dtype == torch.bfloat16 and ops.vnni_linear_available()
                     and self.out_features % 32 == 0 and self.in_features % 4 == 0):
                 self.vnni_w8a8 = pack_int8_quads(q, scale.float(), swiglu)
+        # GGUF's 4-bit levels for few-row iterations: shoal::q4_linear beside dp_linear
+        # (bfloat16), shoal::q4_lanes_linear beside the lanes kernels (float32). Under w8a8
+        # too: below W8A8_MIN_ROWS its iterations have no int8 activations, and the levels give
+        # the unquantized bits from fewer bytes than its int8 weights (single-stream decode
+        # 2-core Zen 4: docs/benchmarks.md, session 44).
+        self.q4: torch.Tensor | None = None
+        self.q4_lanes = False
+        self.q4_max_rows = 0
+        if q4 is not None and quantization in ("none", "w8a8"):
+            if self.amx:  # shoal::q4_amx_linear, amx_linear's bits
+                self.q4 = self._pack_q4(weight, *q4, pack_q4_pairs)
+                self.q4_max_rows = Q4_AMX_MAX_ROWS
+            elif self.pairs is not None and self.pairs_max_rows >= Q4_MAX_ROWS:
+                self.q4 = self._pack_q4(weight, *q4, pack_q4_pairs)
+                self.q4_max_rows = Q4_MAX_ROWS
+            elif self.lanes_op is not None:  # f32_linear's lanes (int8_linear's under w8a8)
+                self.q4 = self._pack_q4(weight, *q4, pack_q4_lanes)
+                self.q4_lanes, self.q4_max_rows = True, Q4_LANES_MAX_ROWS
+            if self.q4 is None:
+                self.q4_max_rows = 0
+            elif self.w8a8 is not None:  # int8 activations take the iterations from there
+                self.q4_max_rows = min(self.q4_max_rows, W8A8_MIN_ROWS - 1)
+            # Rows the levels serve need no int8 weights of their own (w8a8's few-row copies).
+            if self.q4_max_rows >= self.max_quantized_rows:
+                self.max_quantized_rows, self.quantized = 0, None  # (self.w8a8 holds its own q)
+            if self.q4_max_rows >= self.lanes_max_rows:
+                self.lanes, self.lanes_op, self.lanes_max_rows = None, None, 0
         self.packed = None
         self.weight: torch.Tensor | None = weight
         if ((self.pairs is not None and self.pairs_max_rows == sys.maxsize)

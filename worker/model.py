@@ -82,9 +82,10 @@ class LlamaModel:
         weights: tensors keyed by Hugging Face names (see `worker.loader`), in the serving dtype.
         max_positions: size of the RoPE table in positions (the served context window).
         quantization: "none", "int8" or "int4" (weight-only, for small iterations), or "w8a8"
-            (int8 weight-only for small iterations, int8 activations for the QKV and gate/up
-            projections of large ones); see worker.linear. The LM head takes int8 under any of
-            them (few-row iterations through `shoal::int8_gemv`, int8 activations).
+            (int8 activations for the QKV and gate/up projections of large iterations; small
+            ones read the file's 4-bit levels where it ships them, as unquantized, else int8
+            weights); see worker.linear. The LM head takes int8 under int8 and int4
+            (few-row iterations through `shoal::int8_gemv`, int8 activations).
         fast_paths: C++ kernels and prepacked weights where available (else the torch reference).
         device: where the weights live and the model runs.
         attention_backend: "auto", "torch" or "triton" (worker.attention.make_backend).
@@ -156,10 +157,13 @@ class LlamaModel:
                                      else weights["lm_head.weight"])
         if cfg.tie_word_embeddings:
             self.embed = self.lm_head
-        # Under int4 the LM head takes int8: SmolLM2 ships its tied embedding as Q8_0, and a 4-bit
-        # LM head cost 1% of perplexity (docs/engine.md). Its int8 activations in small iterations
-        # (shoal::int8_gemv) cost no greedy token: the refinement below recomputes the best ones.
-        self.lm_head_proj = Linear(self.lm_head, "none" if quantization == "none" else "int8",
+        # Under int8 and int4 the LM head takes int8: SmolLM2 ships its tied embedding as Q8_0,
+        # and a 4-bit LM head cost 1% of perplexity (docs/engine.md). Its int8 activations in
+        # small iterations (shoal::int8_gemv) cost no greedy token: the refinement below
+        # recomputes the best ones. w8a8 quantizes only large iterations' activations: its LM
+        # head is the unquantized one, greedy rows screened as below.
+        unquantized_head = quantization in ("none", "w8a8")
+        self.lm_head_proj = Linear(self.lm_head, "none" if unquantized_head else "int8",
                                    pack=fast_paths, int8_gemv=True, kernels=self.kernels,
                                    dp_max_rows=LM_HEAD_DP_MAX_ROWS)
         # Unquantized, greedy iterations screen the vocabulary with a low-precision copy of the
@@ -182,7 +186,7 @@ class LlamaModel:
         # `lm_head_screens`: the screens in ascending `max_rows`; an iteration takes the first
         # that serves its rows.
         self.lm_head_screens: list[_Screen] = []
-        if (quantization == "none" and self.kernels and cfg.hidden_size % 64 == 0
+        if (unquantized_head and self.kernels and cfg.hidden_size % 64 == 0
                 and (tp is None or tp.rank == 0)):  # rank 0 samples
             vnni = ops.vnni_linear_available()
             if ops.int4_q8_available():
@@ -231,8 +235,9 @@ class LlamaModel:
             )
         if quantization == "w8a8" and self.kernels and not ops.int8_matmul_fast():
             log.warning("--quantization w8a8: this CPU has no int8 dot-product instructions "
-                        "(AVX-512 VNNI or AMX); activations stay in %s (int8 weights serve "
-                        "iterations of a few rows, as under int8)", str(self.dtype).removeprefix("torch."))
+                        "(AVX-512 VNNI or AMX); activations stay in %s (iterations of a few "
+                        "rows read the file's 4-bit levels where it ships them, else int8 "
+                        "weights, as under int8)", str(self.dtype).removeprefix("torch."))
         self.cos_sin = ops.rope_cos_sin(cfg.rope_theta, cfg.head_dim, max_positions).to(self.device)
         self.scale = cfg.head_dim**-0.5
         # Iterations of up to `stack_max_rows` rows run every layer in one call
