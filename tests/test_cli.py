@@ -304,8 +304,8 @@ def test_bench_engine_quick_samples_and_speculates_when_asked(tmp_path):
 
 def test_bench_engine_quick_reports_the_cost_of_quantization(tmp_path):
     out = tmp_path / "engine-w8a8.json"
-    r = _shoal("bench", "engine", "--quick", "--no-baseline", "--quantization", "w8a8",
-               "--output", str(out), timeout=600)
+    r = _shoal("bench", "engine", "--quick", "--no-baseline", "--rounds", "1", "--quantization",
+               "w8a8", "--output", str(out), timeout=600)
     assert r.returncode == 0, r.stderr
     figures = json.loads(out.read_text())
     assert figures["quantization"] == "w8a8" and figures["transformers_static_batch8"] is None
