@@ -109,12 +109,10 @@ def test_decoding_from_the_files_4_bit_levels_changes_no_logprob(dtype, bf16_mod
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_w8a8_iterations_below_its_int8_activations_are_unquantized(dtype, bf16_model,
                                                                     fp32_model, tokenizer):
-    """Under w8a8, iterations of fewer than W8A8_MIN_ROWS rows run as unquantized ones: the
+    """Under w8a8, iterations below its int8 activations' rows run as unquantized ones: the
     projections read the file's 4-bit levels (through shoal::decode_stack; float32 serving
     where an Intel CPU without AMX prefers it) and the LM head is the unquantized one. With a chunk budget of 8 tokens every iteration is such an iteration,
     and the tokens and every logprob equal the unquantized engine's to the bit."""
-    from worker.linear import W8A8_MIN_ROWS
-
     runs = []
     for quantization in ("none", "w8a8"):
         engine = make_engine(bf16_model if dtype == torch.bfloat16 else fp32_model, dtype=dtype,
@@ -123,7 +121,7 @@ def test_w8a8_iterations_below_its_int8_activations_are_unquantized(dtype, bf16_
         if quantization == "none" and qkv.q4 is None:
             pytest.skip(f"no 4-bit levels kernel for {dtype} on this CPU")
         if quantization == "w8a8":
-            assert qkv.uses_w8a8(W8A8_MIN_ROWS) and 8 <= qkv.q4_max_rows < W8A8_MIN_ROWS
+            assert qkv.uses_w8a8(qkv.w8a8_min_rows) and 8 <= qkv.q4_max_rows < qkv.w8a8_min_rows
             assert engine.model.stack_max_rows >= 8
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
         # (The short prompts: the long one would be 50 iterations of prefill.)

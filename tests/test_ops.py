@@ -30,6 +30,7 @@ from worker.linear import (
     Q4_MAX_ROWS,
     QUANTIZED_MAX_ROWS,
     W8A8_MIN_ROWS,
+    W8A8_VNNI_MIN_ROWS,
     Linear,
     int4_levels,
     pack_int4_lanes,
@@ -621,7 +622,10 @@ def test_w8a8_linear_quantizes_activations_of_large_iterations_only():
     plain = Linear(w, "w8a8", kernels=True)  # int8 weight-only for tiny iterations, else bfloat16
     q, scale = quantize_int8(w)
     dequantized = q.float() * scale.float()[:, None]
-    for rows in (1, QUANTIZED_MAX_ROWS["w8a8"] + 1, W8A8_MIN_ROWS, 300):
+    assert lin.w8a8_min_rows == (W8A8_VNNI_MIN_ROWS if lin.vnni_w8a8 is not None
+                                 else W8A8_MIN_ROWS)
+    for rows in (1, QUANTIZED_MAX_ROWS["w8a8"] + 1, lin.w8a8_min_rows - 1, lin.w8a8_min_rows,
+                 300):
         x = torch.randn(rows, 80, generator=g).to(torch.bfloat16)
         exact = torch.nn.functional.linear(x.float(), w.float())
         assert rel(lin(x), exact) <= 2e-2 and rel(plain(x), exact) <= 2e-2
@@ -629,7 +633,7 @@ def test_w8a8_linear_quantizes_activations_of_large_iterations_only():
         xq, xs = ops.quantize_rows(x, kernels=False)
         both = torch.nn.functional.linear(xq.float() * xs[:, None], dequantized)
         # (Not where torch._int_mm has no int8 instructions: activations stay bfloat16 there.)
-        quantized = rows >= W8A8_MIN_ROWS and ops.int8_matmul_fast()
+        quantized = rows >= lin.w8a8_min_rows and ops.int8_matmul_fast()
         assert (rel(lin(x), both) <= 4e-3) == lin.uses_w8a8(rows) == quantized
     x = torch.randn(64, 80, generator=g).to(torch.bfloat16)
     gate, up = torch.nn.functional.linear(x.float(), w.float()).chunk(2, dim=-1)

@@ -201,6 +201,12 @@ log = logging.getLogger(__name__)
 QUANTIZED_MAX_ROWS = {"int8": 2, "int4": 4, "w8a8": 2}
 VNNI_INT8_MAX_ROWS = 4  # int8 weights through shoal::int8_gemv beat bfloat16 up to here (8: even)
 W8A8_MIN_ROWS = 16  # int8 x int8 matmuls beat bfloat16 from here (measured: 17 yes, 8 no)
+# ... and through shoal::vnni_linear from here, against the 4-bit levels up to 8 rows and
+# bfloat16 pairs beyond, both through decode_stack: SmolLM2 decode tokens/s, 2-core Zen 4, in
+# turns, medians of 4 (session 44), w8a8 from 9 / from 16 rows: 9 rows 573.8 / 558.8, 12 rows
+# 725.5 / 665.5, 15 rows 873.3 / 786.7; from 4 / from 9 rows: 4 rows 427.4 / 498.1, 8 rows
+# 653.0 / 704.6.
+W8A8_VNNI_MIN_ROWS = 9
 # float32 iterations of up to this many rows take shoal::int8_linear / int4_linear, or unquantized
 # shoal::f32_linear (tables above).
 LANES_MAX_ROWS = {"int8": 32, "int4": 16, "w8a8": W8A8_MIN_ROWS - 1, "none": 128}
@@ -502,7 +508,8 @@ class Linear:
         pack: hold a oneDNN prepacked copy for bfloat16 or float32 on the CPU (the plain weight is
             then dropped).
         quantize_activations: under "w8a8", iterations of at least W8A8_MIN_ROWS rows quantize
-            their activations and run int8 x int8 (`torch._int_mm`).
+            their activations and run int8 x int8 (`torch._int_mm`; W8A8_VNNI_MIN_ROWS where
+            `shoal::vnni_linear` runs them): `w8a8_min_rows`.
         int8_gemv: int8 weights serve iterations of a few rows through `shoal::int8_gemv`
             (int8 activations; where the kernels were built with VNNI) instead of weight-only.
         kernels: the C++ kernels quantize and dequantize activations (`worker.ops`), serve
@@ -524,7 +531,7 @@ class Linear:
             projection itself still returns `[gate | up]`).
         q4: the GGUF 4-bit levels `[out, in]` uint8 and scales `[out, in / 32, 2]` float16 the
             weight was dequantized from (worker.loader), or None. Unquantized or under w8a8
-            (below W8A8_MIN_ROWS where it quantizes activations; its few-row int8 copies are then
+            (below `w8a8_min_rows` where it quantizes activations; its few-row int8 copies are then
             not kept), where the levels
             give back the weight bit for bit (checked here), iterations of up to Q4_MAX_ROWS rows
             read them through `shoal::q4_linear` where dp_linear serves (bfloat16; of up to
@@ -636,9 +643,10 @@ class Linear:
             if (kernels and weight.dtype == torch.bfloat16 and ops.vnni_linear_available()
                     and self.out_features % 32 == 0 and self.in_features % 4 == 0):
                 self.vnni_w8a8 = pack_int8_quads(q, scale.float(), swiglu)
+        self.w8a8_min_rows = W8A8_VNNI_MIN_ROWS if self.vnni_w8a8 is not None else W8A8_MIN_ROWS
         # GGUF's 4-bit levels for few-row iterations: shoal::q4_linear beside dp_linear
         # (bfloat16), shoal::q4_lanes_linear beside the lanes kernels (float32). Under w8a8
-        # too: below W8A8_MIN_ROWS its iterations have no int8 activations, and the levels give
+        # too: below `w8a8_min_rows` its iterations have no int8 activations, and the levels give
         # the unquantized bits from fewer bytes than its int8 weights (single-stream decode
         # 2-core Zen 4: docs/benchmarks.md, session 44).
         self.q4: torch.Tensor | None = None
@@ -657,7 +665,7 @@ class Linear:
             if self.q4 is None:
                 self.q4_max_rows = 0
             elif self.w8a8 is not None:  # int8 activations take the iterations from there
-                self.q4_max_rows = min(self.q4_max_rows, W8A8_MIN_ROWS - 1)
+                self.q4_max_rows = min(self.q4_max_rows, self.w8a8_min_rows - 1)
             # Rows the levels serve need no int8 weights of their own (w8a8's few-row copies).
             if self.q4_max_rows >= self.max_quantized_rows:
                 self.max_quantized_rows, self.quantized = 0, None  # (self.w8a8 holds its own q)
@@ -716,7 +724,7 @@ class Linear:
 
     def uses_w8a8(self, rows: int) -> bool:
         """Whether an iteration of `rows` rows runs int8 x int8."""
-        return self.w8a8 is not None and rows >= W8A8_MIN_ROWS
+        return self.w8a8 is not None and rows >= self.w8a8_min_rows
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU's `silu(gate) * up` of this fused gate/up projection of `x` `[rows, in]` ->
