@@ -150,30 +150,39 @@ def _q4_model(dtype: torch.dtype):
                  for n, w in weights.items()}
 
 
-@pytest.mark.parametrize("levels", [True, False], ids=["levels", "no-levels"])
+@pytest.mark.parametrize("served", ["levels", "no-levels", "int4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_decode_stack_gives_the_layer_loops_bits(dtype, levels):
+def test_decode_stack_gives_the_layer_loops_bits(dtype, served):
     """Iterations of up to STACK_MAX_ROWS rows run every layer in one call (shoal::decode_stack)
     where every projection's kernel for them is one the stack runs: the 4-bit levels up to
     their rows, then bfloat16 pairs or float32 lanes, and those alone for a model without
-    levels. A prefill of each tier's most rows, then decodes mixed with a prefill chunk: the
-    last layer's hidden states (all rows, and the sampling rows alone) equal the Python loop's
-    to the bit."""
+    levels; under int4, int4_q8_linear at every row count. A prefill of each tier's most rows,
+    then decodes mixed with a prefill chunk: the last layer's hidden states (all rows, and the
+    sampling rows alone) equal the Python loop's to the bit."""
     from worker.attention import build_metadata
     from worker.model import STACK_MAX_ROWS
 
     cfg, weights = _q4_model(dtype)
-    if not levels:
+    if served != "levels":
         weights = {n: w for n, w in weights.items() if not n.endswith((Q4_LEVELS, Q4_SCALE_MIN))}
-    engine = Engine(cfg, weights, EngineConfig(dtype=dtype, block_size=16, kv_cache_bytes=64 << 20))
+    int4 = served == "int4"
+    if int4 and not ops.int4_q8_available():
+        pytest.skip("shoal::int4_q8_linear is not built on this CPU")
+    engine = Engine(cfg, weights, EngineConfig(dtype=dtype, block_size=16, kv_cache_bytes=64 << 20,
+                                               quantization="int4" if int4 else "none"))
     m = engine.model
     if not m.stacks:
+        assert not (int4 and m.layers[0].qkv.lanes_op is torch.ops.shoal.int4_q8_linear)
         pytest.skip(f"decode_stack's kernels for {dtype} are not built on this CPU")
     assert m.stack_max_rows == STACK_MAX_ROWS and m.stack_pairs == (dtype == torch.bfloat16)
-    reads_levels = [w[1].dtype == torch.uint8 for _, w in m.stacks]
-    # (On AMX CPUs the levels serve every row count the stack takes.)
-    level_tiers = [True] if m.layers[0].qkv.q4_max_rows >= STACK_MAX_ROWS else [True, False]
-    assert reads_levels == (level_tiers if levels else [False])
+    if int4:  # one tier: each projection's levels and scales, 10 entries a layer
+        assert len(m.stacks) == 1 and len(m.stacks[0][1]) == 10 * cfg.num_layers
+        assert m.stacks[0][1][2].dtype == torch.float16
+    else:
+        reads_levels = [w[1].dtype == torch.uint8 for _, w in m.stacks]
+        # (On AMX CPUs the levels serve every row count the stack takes.)
+        level_tiers = [True] if m.layers[0].qkv.q4_max_rows >= STACK_MAX_ROWS else [True, False]
+        assert reads_levels == (level_tiers if served == "levels" else [False])
     g = torch.Generator().manual_seed(5)
     alloc, bs = engine.kv_cache.allocator, engine.block_size
 

@@ -752,24 +752,26 @@ class Linear:
             return torch.ops.shoal.dp_linear_silu(x, self.pairs)
         return torch.ops.shoal.dp_linear(x, self.pairs)
 
-    def stack_operand(self, rows: int) -> torch.Tensor | None:
+    def stack_operand(self, rows: int) -> tuple[torch.Tensor, ...] | None:
         """The packed weight `shoal::decode_stack` reads for an iteration of `rows` rows, where
         the kernel `__call__` (and `silu_and_mul`) runs for it is one the stack runs too (the
         same kernel, so the same bits): the 4-bit levels (`shoal::q4_linear` or
         `q4_lanes_linear`), float32 lanes (`f32_linear`) or bfloat16 pairs (`dp_linear`, its
         SwiGLU form for gate/up); on AMX CPUs the levels through `shoal::q4_amx_linear` or
-        the pairs through `amx_linear` (SwiGLU from their accumulators likewise). None where
-        another kernel serves those rows. The checks
-        follow `__call__`'s order."""
+        the pairs through `amx_linear` (SwiGLU from their accumulators likewise); under int4
+        its levels and scales for `int4_q8_linear` (two tensors: the stack's int4 form). None
+        where another kernel serves those rows. The checks follow `__call__`'s order."""
         if rows <= self.q4_max_rows:
-            return self.q4
+            return (self.q4,)
         if rows <= self.max_quantized_rows:
             return None
         if rows <= self.lanes_max_rows:
-            return self.lanes[0] if self.lanes_op is torch.ops.shoal.f32_linear else None
+            if self.lanes_op is torch.ops.shoal.int4_q8_linear:
+                return self.lanes
+            return (self.lanes[0],) if self.lanes_op is torch.ops.shoal.f32_linear else None
         if self.uses_w8a8(rows) or rows > self.pairs_max_rows:
             return None
-        return self.pairs if self.swiglu_pairs or not self.swiglu else None
+        return (self.pairs,) if self.swiglu_pairs or not self.swiglu else None
 
     def _w8a8(self, x: torch.Tensor, silu_and_mul: bool) -> torch.Tensor:
         if self.vnni_w8a8 is not None:

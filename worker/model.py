@@ -245,9 +245,10 @@ class LlamaModel:
         # runs (`Linear.stack_operand`): the kernels of the loop in `forward`, in its order (the
         # same bits), without the ~240 op calls a step makes from Python otherwise. `stacks`:
         # (most rows, weights) in ascending rows, the weights per layer the attention norm,
-        # QKV, O, MLP norm, gate/up and down; a new entry where some projection's operand
-        # changes (SmolLM2 in bfloat16: the 4-bit levels up to 8 rows, 32 on AMX CPUs, then
-        # bfloat16 pairs).
+        # QKV, O, MLP norm, gate/up and down (under int4 each projection's levels and scales:
+        # int4_q8_linear's operands); a new entry where some projection's operand changes
+        # (SmolLM2 in bfloat16: the 4-bit levels up to 8 rows, 32 on AMX CPUs, then bfloat16
+        # pairs; under int4 one entry).
         self.stacks: list[tuple[int, list[torch.Tensor]]] = []
         self.stack_pairs = self.dtype == torch.bfloat16  # bfloat16 kernels, else float32 lanes
         if (self.kernels and tp is None and hasattr(torch.ops.shoal, "decode_stack")
@@ -256,17 +257,19 @@ class LlamaModel:
 
     def _stack_tiers(self) -> list[tuple[int, list[torch.Tensor]]]:
         """`stacks` (above): for each row count up to STACK_MAX_ROWS, the operands every
-        projection's `stack_operand` gives, until one has none."""
+        projection's `stack_operand` gives, until one has none (or they mix the stack's forms:
+        one tensor a projection, or int4's two)."""
         tiers: list[tuple[int, list[torch.Tensor]]] = []
         for rows in range(1, STACK_MAX_ROWS + 1):
+            operands = [[lin.stack_operand(rows)
+                         for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+                        for layer in self.layers]
+            flat = [op for layer_ops in operands for op in layer_ops]
+            if any(op is None for op in flat) or len({len(op) for op in flat}) > 1:
+                return tiers
             weights = []
-            for layer in self.layers:
-                operands = [lin.stack_operand(rows)
-                            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-                if any(op is None for op in operands):
-                    return tiers
-                qkv, o, gate_up, down = operands
-                weights += [layer.attn_norm, qkv, o, layer.mlp_norm, gate_up, down]
+            for layer, (qkv, o, gate_up, down) in zip(self.layers, operands):
+                weights += [layer.attn_norm, *qkv, *o, layer.mlp_norm, *gate_up, *down]
             if tiers and all(a is b for a, b in zip(tiers[-1][1], weights)):
                 tiers[-1] = (rows, tiers[-1][1])
             else:

@@ -20,7 +20,9 @@ namespace shoal {
 //                (dp_linear_silu's and q4_linear's SwiGLU order). Where AMX serves (the
 //                process may use its tiles: worker/linear.py then chose them), bfloat16 levels
 //                go through q4_amx_linear and pairs through amx_linear, SwiGLU in the same
-//                order from their accumulators.
+//                order from their accumulators. Under `--quantization int4` where
+//                int4_q8_linear serves, each projection is two entries, its levels and its
+//                scales (10 a layer): int4_q8_linear, then silu_and_mul for gate/up.
 //   output_rows  the rows whose output is wanted (the last layer's O and MLP run on them
 //                alone), or none for all.
 // Returns the last layer's output [rows, hidden] float32, before the final RMSNorm.
@@ -30,10 +32,15 @@ Tensor decode_stack(const Tensor& embedded, at::TensorList weights, at::TensorLi
                     const Tensor& query_start_loc, const Tensor& seq_lens,
                     const c10::optional<Tensor>& output_rows, int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool pairs) {
-  constexpr size_t kPerLayer = 6;
   const size_t layers = k_pools.size();
-  TORCH_CHECK(weights.size() == kPerLayer * layers && v_pools.size() == layers,
-              "decode_stack: 6 weights and a K and V pool per layer");
+  TORCH_CHECK(layers > 0 && v_pools.size() == layers &&
+                  (weights.size() == 6 * layers || weights.size() == 10 * layers),
+              "decode_stack: 6 weights (10 with int4 scales) and a K and V pool per layer");
+  const size_t per_layer = weights.size() / layers;
+  const bool int4 = per_layer == 10;
+#ifndef SHOAL_INT4_Q8
+  TORCH_CHECK(!int4, "decode_stack: int4_q8_linear is not built on this CPU");
+#endif
 #ifndef SHOAL_BF16_PAIRS
   TORCH_CHECK(!pairs, "decode_stack: the bfloat16 kernels are not built on this CPU");
 #endif
@@ -44,7 +51,15 @@ Tensor decode_stack(const Tensor& embedded, at::TensorList weights, at::TensorLi
 #ifdef SHOAL_AMX
   const bool amx = pairs && amx_permitted();
 #endif
-  const auto linear = [&](const Tensor& in, const Tensor& packed, bool silu) -> Tensor {
+  // `w` points at the projection's entries: its packed weight, then (int4) its scales.
+  const auto linear = [&](const Tensor& in, const Tensor* w, bool silu) -> Tensor {
+#ifdef SHOAL_INT4_Q8
+    if (int4) {
+      Tensor y = int4_q8_linear(in, w[0], w[1]);
+      return silu ? silu_and_mul(y) : y;
+    }
+#endif
+    const Tensor& packed = w[0];
     const bool levels = packed.scalar_type() == at::kByte;
 #ifdef SHOAL_AMX
     if (amx) return levels ? q4_amx_linear(in, packed, silu) : amx_linear(in, packed, silu);
@@ -66,9 +81,13 @@ Tensor decode_stack(const Tensor& embedded, at::TensorList weights, at::TensorLi
   Tensor x = embedded.clone();  // the residual stream, updated in place layer by layer
   c10::optional<Tensor> delta;
   for (size_t l = 0; l < layers; ++l) {
-    const Tensor* w = weights.data() + kPerLayer * l;
+    // Where each entry lies: the norms, then each projection's one or two entries.
+    const Tensor* w = weights.data() + per_layer * l;
+    const size_t p = int4 ? 2 : 1;
+    const Tensor *qkv = w + 1, *o = qkv + p, *mlp_norm = o + p, *gate_up = mlp_norm + 1,
+                 *down = gate_up + p;
     Tensor h = add_rms_norm(x, delta, w[0], eps, dtype);
-    Tensor a = attend_qkv(linear(h, w[1], false), positions, cos_sin, k_pools[l], v_pools[l],
+    Tensor a = attend_qkv(linear(h, qkv, false), positions, cos_sin, k_pools[l], v_pools[l],
                           slot_mapping, block_tables, query_start_loc, seq_lens, num_heads,
                           num_kv_heads, head_dim, scale);
     if (l + 1 == layers && output_rows) {
@@ -76,8 +95,8 @@ Tensor decode_stack(const Tensor& embedded, at::TensorList weights, at::TensorLi
       x = x.index_select(0, *output_rows);
       if (a.size(0) == 0) return x;
     }
-    h = add_rms_norm(x, linear(a, w[2], false), w[3], eps, dtype);
-    delta = linear(linear(h, w[4], true), w[5], false);
+    h = add_rms_norm(x, linear(a, o, false), *mlp_norm, eps, dtype);
+    delta = linear(linear(h, gate_up, true), down, false);
   }
   if (delta) x.add_(*delta);
   return x;
