@@ -647,8 +647,9 @@ class Linear:
         # GGUF's 4-bit levels for few-row iterations: shoal::q4_linear beside dp_linear
         # (bfloat16), shoal::q4_lanes_linear beside the lanes kernels (float32). Under w8a8
         # too: below `w8a8_min_rows` its iterations have no int8 activations, and the levels give
-        # the unquantized bits from fewer bytes than its int8 weights (single-stream decode
-        # 2-core Zen 4: docs/benchmarks.md, session 44).
+        # the unquantized bits from fewer bytes than its int8 weights, through decode_stack
+        # (single-stream decode 75.3 -> 157.3 tokens/s on a 2-core Zen 4; docs/benchmarks.md,
+        # session 44).
         self.q4: torch.Tensor | None = None
         self.q4_lanes = False
         self.q4_max_rows = 0
