@@ -41,11 +41,13 @@ Tensor decode_stack(const Tensor& embedded, at::TensorList weights, at::TensorLi
 #ifndef SHOAL_INT4_Q8
   TORCH_CHECK(!int4, "decode_stack: int4_q8_linear is not built on this CPU");
 #endif
+  // int4_q8_linear takes either dtype; `pairs` then only sets the dtype of the norms' outputs
+  // and the attention (the loop's bfloat16 on a CPU without the bfloat16 kernels, too).
 #ifndef SHOAL_BF16_PAIRS
-  TORCH_CHECK(!pairs, "decode_stack: the bfloat16 kernels are not built on this CPU");
+  TORCH_CHECK(!pairs || int4, "decode_stack: the bfloat16 kernels are not built on this CPU");
 #endif
 #ifndef SHOAL_LANES
-  TORCH_CHECK(pairs, "decode_stack: the float32 lanes kernels are not built on this CPU");
+  TORCH_CHECK(pairs || int4, "decode_stack: the float32 lanes kernels are not built on this CPU");
 #endif
   const at::ScalarType dtype = pairs ? at::kBFloat16 : at::kFloat;
 #ifdef SHOAL_AMX
