@@ -280,6 +280,26 @@ struct alignas(64) TileConfig {
 };
 #endif
 
+// Items [0, items) handed out to `threads` threads as they come free: `fn(item, next)` runs each,
+// `next` being the item the same thread takes after it (items or more: none), claimed first so
+// that `fn` can prefetch its weights. Why items rather than a split into equal shares up front:
+// on a machine whose cores the gateway, the scheduler and Redis also need, the thread another
+// process preempts holds back only its current item, where with even shares the other thread
+// waited at the end of every matmul for the preempted one's whole share (dp_linear_run in
+// pairs.cpp and the lanes kernels' tiles in lanes.cpp give figures).
+template <class Fn>
+void run_items(int64_t items, int64_t threads, Fn&& fn) {
+  std::atomic<int64_t> claimed{0};
+#pragma omp parallel num_threads(threads)
+  {
+    for (int64_t item = claimed.fetch_add(1); item < items;) {
+      const int64_t next = claimed.fetch_add(1);
+      fn(item, next);
+      item = next;
+    }
+  }
+}
+
 // Calls `fn(std::integral_constant<int64_t, rows>)` for 1 <= rows <= M: a kernel's row count as a
 // compile-time constant, so its tile's accumulators are arrays of fixed size.
 template <int64_t M, typename Fn> inline void with_row_count(int64_t rows, Fn&& fn) {

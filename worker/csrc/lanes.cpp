@@ -230,14 +230,14 @@ std::vector<float> block_sums(const float* x, int64_t m, int64_t k) {
   return sums;
 }
 
-// Runs `rows_fn<M>(row_offset, group)` over every group pair and every kLaneRows rows of x.
+// Runs `rows_fn<M>(row_offset, group)` over every group pair and every kLaneRows rows of x, a
+// pair an item (run_items).
 template <typename RowsFn>
 void for_lane_tiles(int64_t m, int64_t n, RowsFn&& rows_fn) {
-  at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair)
-      for (int64_t i0 = 0; i0 < m; i0 += kLaneRows)
-        with_row_count<kLaneRows>(std::min<int64_t>(m - i0, kLaneRows),
-                       [&](auto rows) { rows_fn(rows, i0, 2 * pair); });
+  run_items(n / 32, at::get_num_threads(), [&](int64_t pair, int64_t) {
+    for (int64_t i0 = 0; i0 < m; i0 += kLaneRows)
+      with_row_count<kLaneRows>(std::min<int64_t>(m - i0, kLaneRows),
+                                [&](auto rows) { rows_fn(rows, i0, 2 * pair); });
   });
 }
 
@@ -316,16 +316,16 @@ inline void f32_tile(const float* x, const float* w, float* y, int64_t k, int64_
   }
 }
 
-// y `[m, n]` = x `[m, k]` times the lanes weight `w` `[n / 16, k, 16]`, all float32.
+// y `[m, n]` = x `[m, k]` times the lanes weight `w` `[n / 16, k, 16]`, all float32; a group of
+// 16 channels an item (run_items).
 void f32_tiles(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n) {
-  at::parallel_for(0, n / 16, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      for (int64_t c0 = 0; c0 < k; c0 += kF32BlockK)
-        for (int64_t i0 = 0; i0 < m; i0 += kF32TileRows)
-          with_row_count<kF32TileRows>(std::min<int64_t>(m - i0, kF32TileRows), [&](auto rows) {
-            f32_tile<decltype(rows)::value>(x + i0 * k, w + g * k * 16, y + i0 * n + g * 16, k,
-                                            n, c0, std::min<int64_t>(c0 + kF32BlockK, k));
-          });
+  run_items(n / 16, at::get_num_threads(), [&](int64_t g, int64_t) {
+    for (int64_t c0 = 0; c0 < k; c0 += kF32BlockK)
+      for (int64_t i0 = 0; i0 < m; i0 += kF32TileRows)
+        with_row_count<kF32TileRows>(std::min<int64_t>(m - i0, kF32TileRows), [&](auto rows) {
+          f32_tile<decltype(rows)::value>(x + i0 * k, w + g * k * 16, y + i0 * n + g * 16, k, n,
+                                          c0, std::min<int64_t>(c0 + kF32BlockK, k));
+        });
   });
 }
 #endif
@@ -355,28 +355,35 @@ Tensor f32_linear(const Tensor& x, const Tensor& w) {
 // Groups a q4_lanes_tile of M rows takes (as many as keep 8 accumulators).
 template <int64_t M> constexpr int64_t kQ4TileGroups = M == 1 ? 4 : M == 2 ? 2 : 1;
 
-// q4_lanes_linear's work on AVX2: each thread takes a contiguous run of channel-group pairs,
-// walks it 4 groups (64 channels) at a time and, within those, every chunk of up to 4 rows in
-// tiles of kQ4TileGroups<rows> groups, so a chunk after the first finds the levels in cache.
+// q4_lanes_linear's work on AVX2 as items (run_items) of 4 channel groups (64 channels), the
+// last 2 x threads items of 2 groups, so that the threads finish together: an item walks every
+// chunk of up to 4 rows in tiles of kQ4TileGroups<rows> groups, so a chunk after the first finds
+// its levels in cache. Items rather than a contiguous half per thread (as this kernel, f32_tiles
+// and for_lane_tiles had): SmolLM2 float32 decode tokens/s on a 2-core Zen 3, halves -> items,
+// two rounds each in turns (docs/benchmarks.md, session 45): beside a process busy 1 ms in
+// every 5, batch 1 54.6 / 53.1 -> 61.2 / 56.4 and batch 64 216.4 / 232.5 -> 254.6 / 257.7;
+// alone 86.0 / 76.2 -> 89.5 / 81.5 and 316.6 / 307.9 -> 310.1 / 331.3; a single stream through
+// `shoal up`, medians of 6, four fleets each: 61.7-68.4 -> 63.2-75.6.
 void q4_lanes_tiles(const float* x, const uint8_t* w, float* y, int64_t m, int64_t k, int64_t n) {
-  at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g0 = 2 * begin; g0 < 2 * end; g0 += 4) {
-      const int64_t g1 = std::min<int64_t>(g0 + 4, 2 * end);
-      for (int64_t i0 = 0; i0 < m; i0 += 4)
-        with_row_count<4>(std::min<int64_t>(m - i0, 4), [&](auto rows) {
-          constexpr int64_t M = decltype(rows)::value, G = kQ4TileGroups<M>;
-          const float* xr = x + i0 * k;
-          float* yr = y + i0 * n;
-          for (int64_t g = g0; g < g1; g += G) {
-            if constexpr (G == 4)
-              if (g1 - g < 4) {  // a run's last pair
-                q4_lanes_tile<M, 2>(xr, w, yr, k, n, g);
-                break;
-              }
-            q4_lanes_tile<M, G>(xr, w, yr, k, n, g);
-          }
-        });
-    }
+  const int64_t threads = at::get_num_threads(), pairs = n / 32;
+  const int64_t quads = std::max<int64_t>(0, (pairs - 2 * threads) / 2);
+  run_items(quads + (pairs - 2 * quads), threads, [&](int64_t item, int64_t) {
+    const int64_t g0 = item < quads ? 4 * item : 4 * quads + 2 * (item - quads);
+    const int64_t g1 = g0 + (item < quads ? 4 : 2);
+    for (int64_t i0 = 0; i0 < m; i0 += 4)
+      with_row_count<4>(std::min<int64_t>(m - i0, 4), [&](auto rows) {
+        constexpr int64_t M = decltype(rows)::value, G = kQ4TileGroups<M>;
+        const float* xr = x + i0 * k;
+        float* yr = y + i0 * n;
+        for (int64_t g = g0; g < g1; g += G) {
+          if constexpr (G == 4)
+            if (g1 - g < 4) {  // an item of 2 groups
+              q4_lanes_tile<M, 2>(xr, w, yr, k, n, g);
+              break;
+            }
+          q4_lanes_tile<M, G>(xr, w, yr, k, n, g);
+        }
+      });
   });
 }
 #endif

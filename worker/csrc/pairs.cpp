@@ -460,22 +460,6 @@ void dp_linear_rows(const char* x, const char* w, int64_t row_bytes, int64_t r0,
   dp_linear_tail<Op, MR - 1, NR>(r1 - r, x, w, row_bytes, r, nb, pf, slice(t), store);
 }
 
-// Items [0, items) handed out to `threads` threads as they come free: `fn(item, next)` runs each,
-// `next` being the item the same thread takes after it (items or more: none), claimed first so
-// that `fn` can prefetch its weights (dp_linear_run below says why items, not halves).
-template <class Fn>
-void run_items(int64_t items, int64_t threads, Fn&& fn) {
-  std::atomic<int64_t> claimed{0};
-#pragma omp parallel num_threads(threads)
-  {
-    for (int64_t item = claimed.fetch_add(1); item < items;) {
-      const int64_t next = claimed.fetch_add(1);
-      fn(item, next);
-      item = next;
-    }
-  }
-}
-
 // Bytes of x per pass over the weights: those rows stay in L2 (1 MB on Zen 5) while the
 // weights pass; more rows are taken in several passes, each streaming the weights again.
 constexpr int64_t kDpRowBytes = 256 << 10;
