@@ -247,10 +247,11 @@ Q4_LANES_MAX_ROWS = 32
 # engine (decode tokens/s in turns, medians of 5, levels off / on) 16 rows 731 / 910, 32 rows
 # 980 / 966-995, 48 rows 1,137 / 1,166, 64 rows 1,312 / 1,202: a gain at 16 rows, within the
 # host's noise past it. Session 46, the same kind of host with its memory slower (other tenants):
-# 120 projections, 32 / 40 / 48 / 64 / 96 / 128 rows, 16.9 / 25.3 / 23.8 / 22.8 / 32.2 / 38.7
-# against 11.3 / 16.5 / 15.3 / 14.8 / 30.7 / 46.9 ms; in the engine, levels up to 32 against 64
-# rows, in turns, 6 pairs: decode at batch 40 +7-17% in all 6, at batch 64 +6% in 5 of 6, W64
-# 520.0 -> 537.3 tokens/s (5 of 6). So the levels serve every row count the stack runs.
+# 120 projections at 32 / 40 / 48 / 64 / 96 / 128 rows, amx_linear 16.9 / 25.3 / 23.8 / 22.8 /
+# 32.2 / 38.7 against the levels 11.3 / 16.5 / 15.3 / 14.8 / 30.7 / 46.9 ms; in the engine,
+# levels up to 32 against 64 rows, in turns, 6 pairs: decode at batch 40 +7-17% in all 6, at
+# batch 64 +6% in 5 of 6, W64 520.0 -> 537.3 tokens/s (5 of 6). So the levels serve every row
+# count the stack runs.
 Q4_AMX_MAX_ROWS = 64
 # SmolLM2's LM head ([49152, 576]) through dp_linear against oneDNN, ms (2-core Zen 5, A/B
 # interleaved): 8 rows 0.92 / 1.26, 64 rows 4.67 / 4.85, 128 rows 10.25 / 9.30, 256 rows 19.6 /

@@ -247,8 +247,8 @@ class LlamaModel:
         # (most rows, weights) in ascending rows, the weights per layer the attention norm,
         # QKV, O, MLP norm, gate/up and down (under int4 each projection's levels and scales:
         # int4_q8_linear's operands); a new entry where some projection's operand changes
-        # (SmolLM2 in bfloat16: the 4-bit levels up to 8 rows, 64 on AMX CPUs, then bfloat16
-        # pairs; under int4 one entry).
+        # (SmolLM2 in bfloat16: the 4-bit levels up to 8 rows, then bfloat16 pairs; on AMX CPUs
+        # the levels at every row count, and under int4, one entry).
         self.stacks: list[tuple[int, list[torch.Tensor]]] = []
         self.stack_pairs = self.dtype == torch.bfloat16  # bfloat16 kernels, else float32 lanes
         if (self.kernels and tp is None and hasattr(torch.ops.shoal, "decode_stack")
