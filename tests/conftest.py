@@ -1,4 +1,5 @@
-"""Shared fixtures: the real default model (loaded once per session) and tiny random models."""
+"""Shared fixtures: the real default model (loaded once per test process: the suite runs in two,
+pyproject.toml) and tiny random models."""
 
 from __future__ import annotations
 
