@@ -273,6 +273,9 @@ def test_bench_fleet_quick_runs_both_sides_in_turns(tmp_path):
         for side in ("engine", "fleet"):  # the iterations that computed tokens, timed inside
             assert x[side]["iterations"] >= max(q.max_tokens for q in reqs)
             assert 0 < x[side]["engine_seconds"] <= x[side]["seconds"]
+            # ... decode-only among them: W64-quick's outputs run past its prefills
+            assert 0 < x[side]["decode_iterations"] < x[side]["iterations"]
+            assert 0 < x[side]["decode_engine_seconds"] < x[side]["engine_seconds"]
         assert x["fleet_share"] == pytest.approx(
             x["fleet"]["generated_tokens_per_s"] / x["engine"]["generated_tokens_per_s"])
     assert figures["fleet_share"] == pytest.approx(sum(x["fleet_share"] for x in rounds) / 2)

@@ -53,11 +53,12 @@ def to_engine_requests(reqs: list[BenchRequest]) -> list[NewRequest]:
 def run_workload(engine: Engine, reqs: list[NewRequest]) -> dict[str, float]:
     """All requests submitted at t=0; returns throughput and per-token latency figures, and the
     iterations that computed tokens and their seconds (`engine_seconds`; the rest of `seconds`
-    went to the admission loop). The prefix cache is emptied first: a run repeating another's
-    prompts computes them again."""
+    went to the admission loop), and those of the decode-only ones among them. The prefix cache
+    is emptied first: a run repeating another's prompts computes them again."""
     engine.reset_prefix_cache()
     hits = engine.prefix_cache_hits
     iterations, engine_seconds = engine.iterations, engine.iteration_seconds
+    decodes, decode_seconds = engine.decode_iterations, engine.decode_iteration_seconds
     t0 = time.perf_counter()
     finished_at: dict[str, float] = {}
     generated = 0
@@ -77,6 +78,8 @@ def run_workload(engine: Engine, reqs: list[NewRequest]) -> dict[str, float]:
         "prefix_cache_hit_tokens": engine.prefix_cache_hits - hits,
         "iterations": engine.iterations - iterations,
         "engine_seconds": engine.iteration_seconds - engine_seconds,
+        "decode_iterations": engine.decode_iterations - decodes,
+        "decode_engine_seconds": engine.decode_iteration_seconds - decode_seconds,
     }
 
 

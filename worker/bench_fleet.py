@@ -22,7 +22,9 @@ Each side also reports its iterations that computed tokens and their seconds (`e
 in-process from the engine's totals, in the fleet from the worker's `shoal_engine_step_seconds`
 histogram), so a share below 1 splits into iterations that ran slower or more of them (other
 processes on the worker's cores, a different batching) and time outside them (the worker's loop,
-Redis, the scheduler, the gateway, the client).
+Redis, the scheduler, the gateway, the client); and the same of the decode-only iterations (the
+histogram's "decode" series), during which the gateway and the client handle the tokens the
+iteration before streamed out; the rest are the iterations with prompts.
 """
 
 from __future__ import annotations
@@ -46,20 +48,24 @@ from worker.bench import run_workload, to_engine_requests
 from worker.engine import Engine
 
 
-def _engine_totals(metrics_url: str) -> tuple[int, float]:
-    """(iterations, their seconds) a worker has run, from its `shoal_engine_step_seconds`
-    histogram (every phase) at `metrics_url`."""
+def _engine_totals(metrics_url: str) -> dict[str, float]:
+    """The iterations a worker has run and their seconds, in every phase (`iterations`,
+    `engine_seconds`) and decode-only (`decode_iterations`, `decode_engine_seconds`), from its
+    `shoal_engine_step_seconds` histogram at `metrics_url`."""
     with urllib.request.urlopen(metrics_url, timeout=10) as r:
         text = r.read().decode()
-    count, seconds = 0, 0.0
+    totals = dict.fromkeys(("iterations", "engine_seconds", "decode_iterations",
+                            "decode_engine_seconds"), 0.0)
     for family in text_string_to_metric_families(text):
         if family.name == "shoal_engine_step_seconds":
             for sample in family.samples:
-                if sample.name.endswith("_count"):
-                    count += int(sample.value)
-                elif sample.name.endswith("_sum"):
-                    seconds += sample.value
-    return count, seconds
+                kind = ("iterations" if sample.name.endswith("_count")
+                        else "engine_seconds" if sample.name.endswith("_sum") else None)
+                if kind is not None:
+                    totals[kind] += sample.value
+                    if sample.labels.get("phase") == "decode":
+                        totals[f"decode_{kind}"] += sample.value
+    return totals
 
 
 def _metrics_port_base() -> int:
@@ -74,14 +80,14 @@ def _metrics_port_base() -> int:
 
 def _fleet_counters(procs: dict[str, psutil.Process], metrics_url: str) -> dict[str, float]:
     """The CPU seconds each of `procs` has spent, and the worker's iterations and their seconds
-    (`_engine_totals`), now.
+    (`_engine_totals`' keys), now.
 
     Raises:
         RuntimeError: a fleet process has gone (its CPU time or the worker's metrics unreadable).
     """
     try:
         counters = {name: sum(p.cpu_times()[:2]) for name, p in procs.items()}
-        counters["iterations"], counters["engine_seconds"] = _engine_totals(metrics_url)
+        counters.update(_engine_totals(metrics_url))
     except (psutil.Error, OSError) as e:
         raise RuntimeError(f"the fleet stopped answering: {e}") from e
     return counters
@@ -111,6 +117,8 @@ def _fleet_run(fleet: Fleet, metrics_url: str, reqs: list[BenchRequest], seed: i
             "generated_tokens_per_s": run["generated_tokens_per_s"],
             "iterations": int(spent.pop("iterations")),
             "engine_seconds": spent.pop("engine_seconds"),
+            "decode_iterations": int(spent.pop("decode_iterations")),
+            "decode_engine_seconds": spent.pop("decode_engine_seconds"),
             "cpu_seconds": {**spent, "load generator": client}}
 
 
@@ -192,6 +200,10 @@ def run_fleet_bench(engine: Engine, worker_args: list[str], threads: int | None,
         "engine_tokens_per_s": median("engine"), "fleet_tokens_per_s": median("fleet"),
         "iterations": {side: median_of(side, "iterations") for side in ("engine", "fleet")},
         "engine_seconds": {side: median_of(side, "engine_seconds") for side in ("engine", "fleet")},
+        "decode_iterations": {side: median_of(side, "decode_iterations")
+                              for side in ("engine", "fleet")},
+        "decode_engine_seconds": {side: median_of(side, "decode_engine_seconds")
+                                  for side in ("engine", "fleet")},
         "seconds": {side: median_of(side, "seconds") for side in ("engine", "fleet")},
         "fleet_share": statistics.median(r["fleet_share"] for r in results),
         "fleet_cpu_seconds_per_run": {
@@ -215,6 +227,8 @@ def run_fleet_bench(engine: Engine, worker_args: list[str], threads: int | None,
                   "them {2:.2f} / {3:.2f}; wall seconds {4:.2f} / {5:.2f}".format(
                       *figures["iterations"].values(), *figures["engine_seconds"].values(),
                       *figures["seconds"].values()))
+    console.print("... of them decode-only: {0:g} / {1:g}; seconds in them {2:.2f} / {3:.2f}".format(
+        *figures["decode_iterations"].values(), *figures["decode_engine_seconds"].values()))
     console.print("CPU seconds per fleet run (medians): " + ", ".join(
         f"{p} {s:.2f}" for p, s in figures["fleet_cpu_seconds_per_run"].items()))
     if worker_rss is not None:

@@ -168,9 +168,13 @@ class Engine:
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
         # Iterations that computed tokens, and their wall time in seconds (`step_seconds`): what
-        # the worker's `shoal_engine_step_seconds` histogram counts.
+        # the worker's `shoal_engine_step_seconds` histogram counts; and the same of the
+        # decode-only ones (its "decode" series), the iterations that run while the tokens of the
+        # one before stream out.
         self.iterations = 0
         self.iteration_seconds = 0.0
+        self.decode_iterations = 0
+        self.decode_iteration_seconds = 0.0
 
     @staticmethod
     def build_parts(model_cfg: ModelConfig, weights: dict[str, torch.Tensor], cfg: EngineConfig,
@@ -410,6 +414,9 @@ class Engine:
         if decodes or prefills:
             self.iterations += 1
             self.iteration_seconds += seconds
+            if not num_prefill:
+                self.decode_iterations += 1
+                self.decode_iteration_seconds += seconds
         return IterationResult(
             worker_id="", iteration=plan.iteration, outputs=outputs,
             num_free_blocks=self.num_free_blocks, num_prefill_tokens=num_prefill,
