@@ -169,8 +169,8 @@ class Engine:
         self.spec_accepted_tokens = 0
         # Iterations that computed tokens, and their wall time in seconds (`step_seconds`): what
         # the worker's `shoal_engine_step_seconds` histogram counts; and the same of the
-        # decode-only ones (its "decode" series), the iterations that run while the tokens of the
-        # one before stream out.
+        # decode-only ones (its "decode" series): in a fleet, the iterations that run while the
+        # gateway streams out the tokens of the one before.
         self.iterations = 0
         self.iteration_seconds = 0.0
         self.decode_iterations = 0
