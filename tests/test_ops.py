@@ -27,6 +27,7 @@ from worker.linear import (
     LM_HEAD_DP_MAX_ROWS,
     Q4_AMX_MAX_ROWS,
     Q4_LANES_MAX_ROWS,
+    Q4_LANES_UNPACKED_MAX_ROWS,
     Q4_MAX_ROWS,
     QUANTIZED_MAX_ROWS,
     W8A8_MIN_ROWS,
@@ -468,8 +469,9 @@ def test_q4_lanes_linear_gives_f32_linears_bits_from_4_bit_levels(out_features, 
     w = q4_weight(levels, scale_min, torch.float32)
     packed, lanes = pack_q4_lanes(levels, scale_min), pack_lanes(w)
     # AVX2: every tile shape of both, chunks of 4 rows (q4_lanes_tiles) and tiles of 6 over
-    # blocks of 256 inputs saved between them (f32_tiles)
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 33, 64):
+    # blocks of 256 inputs saved between them (f32_tiles); AVX-512: the weights rebuilt once past
+    # 24 rows (q4_lanes_unpacked), last tiles of every size
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 24, 25, 33, 34, 64, 67, 300):
         x = torch.randn(rows, in_features, generator=g)
         y = torch.ops.shoal.q4_lanes_linear(x, packed)
         assert torch.equal(y.view(torch.int32), torch.ops.shoal.f32_linear(x, lanes).view(torch.int32))
@@ -526,13 +528,17 @@ def test_linear_serves_few_rows_from_levels_that_give_back_its_weight(dtype, swi
     w = q4_weight(levels, scale_min, dtype)
     lin = Linear(w, kernels=True, swiglu=swiglu, q4=(levels, scale_min))
     max_rows = ((Q4_AMX_MAX_ROWS if lin.amx else Q4_MAX_ROWS) if dtype == torch.bfloat16
+                else Q4_LANES_UNPACKED_MAX_ROWS if ops.lanes_avx512()
                 else Q4_LANES_MAX_ROWS)
     assert lin.q4 is not None and lin.q4_max_rows == max_rows
     assert lin.q4_lanes == (dtype == torch.float32)
     if dtype == torch.bfloat16:
         lin.pairs = torch.zeros_like(lin.pairs)
-    else:
+    elif lin.lanes is not None:
         lin.lanes = (torch.zeros_like(lin.lanes[0]),)
+    else:  # with AVX-512 the levels serve every row the lanes did; oneDNN's copy the rest
+        assert ops.lanes_avx512() and lin.lanes_max_rows == 0
+        lin.packed, lin.weight = None, torch.zeros_like(w)
     for rows in (1, max_rows, max_rows + 1):
         x = torch.randn(rows, 96, generator=g).to(dtype)
         exact = torch.nn.functional.linear(x.float(), w.float())

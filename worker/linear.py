@@ -107,7 +107,10 @@ for the number of rows an iteration brings.
   (its chains and order, float32 weights d q + m: f32_linear's bits) for up to
   `Q4_LANES_MAX_ROWS` rows: a decode step reads 67 MB instead of 425; single-stream decode
   40-63 -> 103-113 tokens/s with `--dtype float32` on the Zen 4 (AVX2-only CPUs run the same
-  code on pairs of ymm registers; not measured there).
+  code on pairs of ymm registers; not measured there). With AVX-512, past a few rows it
+  rebuilds each weight once an iteration into a buffer and runs f32_linear's tiles over it (the
+  same bits), which beats f32_linear up to Q4_LANES_UNPACKED_MAX_ROWS rows: there the levels
+  and oneDNN's copy serve every iteration, and the float32 lanes copy is not kept.
   On AMX CPUs, where amx_linear serves and its tiles sum in another order than dp_linear's
   `vdpbf16ps` (about one output in 2,000 differs by a bfloat16 unit), `shoal::q4_amx_linear`
   rebuilds each pair of blocks' weight tiles from the levels into a scratch buffer and runs
@@ -178,7 +181,8 @@ for the number of rows an iteration brings.
   kind, in turns (session 31). The lanes copy stays on
   ordinary pages: on huge pages decode at batch 1 measured 50.9 against 49.1 tokens/s (five
   rounds each, ranges overlapping) for about 100 MiB more resident memory (each tensor's last
-  huge page).
+  huge page). With AVX-512, a projection that has its file's 4-bit levels keeps no lanes copy:
+  the levels serve up to Q4_LANES_UNPACKED_MAX_ROWS rows, oneDNN beyond (above).
 - Plain `F.linear` otherwise (float16, another device, or no oneDNN).
 """
 
@@ -240,6 +244,14 @@ Q4_MAX_ROWS = 8
 # f32_linear 12.0 / 12.9 / 13.1 / 20.2 / 34.4 / 50.8-58.7 / 75.5 / 127, q4_lanes_linear 5.4 /
 # 6.3 / 7.8 / 14.3 / 27.0 / 47.3-53.1 / 74.9 / 140.
 Q4_LANES_MAX_ROWS = 32
+# ... and where the kernels have AVX-512, past 24 rows it rebuilds each weight once an iteration
+# into a thread's buffer and runs f32_linear's tiles over it (worker/csrc/lanes.cpp): it then
+# beats f32_linear up to here, so no float32 lanes copy is kept beside the levels (0.4 GB for
+# SmolLM2) and oneDNN serves larger iterations, as fast as f32_linear from about 96 rows. All
+# 120 projections on a 2-core Xeon without AMX, ms, levels / f32_linear / oneDNN, medians of 5
+# in turns (session 49): 32 rows 38.2 / 43.9 / 47.8, 48 rows 56.1 / 64.3 / 76.7, 64 rows 68.4
+# / 74.3 / 79.2, 96 rows 100.4 / 93.1 / 98.9, 128 rows 129.2 / 119.0 / 118.0.
+Q4_LANES_UNPACKED_MAX_ROWS = 64
 # shoal::q4_amx_linear (the levels on AMX tiles, amx_linear's bits) beats amx_linear up to here:
 # all 120 SmolLM2 projections, 2-core Xeon with AMX, ms (runs in turns in one process;
 # docs/benchmarks.md, session 25), amx_linear / q4_amx_linear: 1 row 10.8 / 8.5, 8 rows 14.0 / 9.3,
@@ -541,8 +553,9 @@ class Linear:
             give back the weight bit for bit (checked here), iterations of up to Q4_MAX_ROWS rows
             read them through `shoal::q4_linear` where dp_linear serves (bfloat16; of up to
             Q4_AMX_MAX_ROWS through `shoal::q4_amx_linear` where amx_linear does), and of up to
-            Q4_LANES_MAX_ROWS through `shoal::q4_lanes_linear` where f32_linear does (float32):
-            the unquantized kernel's result from a third (a sixth) of the bytes.
+            Q4_LANES_MAX_ROWS through `shoal::q4_lanes_linear` where f32_linear does (float32;
+            Q4_LANES_UNPACKED_MAX_ROWS where the kernels have AVX-512, with no lanes copy
+            kept): the unquantized kernel's result from a third (a sixth) of the bytes.
 
     Raises:
         ValueError: an unknown quantization, or int4 on a shape it cannot take.
@@ -668,6 +681,10 @@ class Linear:
             elif self.lanes_op is not None:  # f32_linear's lanes (int8_linear's under w8a8)
                 self.q4 = self._pack_q4(weight, *q4, pack_q4_lanes)
                 self.q4_lanes, self.q4_max_rows = True, Q4_LANES_MAX_ROWS
+                if self.q4 is not None and ops.lanes_avx512():
+                    self.q4_max_rows = Q4_LANES_UNPACKED_MAX_ROWS
+                    if quantization == "none":  # oneDNN past it: the lanes copy goes below
+                        self.lanes_max_rows = self.q4_max_rows
             if self.q4 is None:
                 self.q4_max_rows = 0
             elif self.w8a8 is not None:  # int8 activations take the iterations from there

@@ -80,6 +80,15 @@ def lanes_linear_available() -> bool:
     return cpu_ops.load() and hasattr(torch.ops.shoal, "int4_linear")
 
 
+def lanes_avx512() -> bool:
+    """True when the lanes kernels were built with AVX-512 (else AVX2): there
+    `shoal::q4_lanes_linear` rebuilds each weight once an iteration past a few rows, and serves
+    float32 iterations of up to Q4_LANES_UNPACKED_MAX_ROWS rows with no lanes copy of the
+    weights (worker/linear.py)."""
+    words = cpu_ops.cpu_flag_words()
+    return lanes_linear_available() and words is not None and "avx512f" in words
+
+
 def int4_q8_available() -> bool:
     """True when the C++ kernels were built with AVX2 and either no AVX-512 or AVX-512 VNNI:
     `shoal::int4_q8_linear`, int4 weights against int8 activations quantized per block of 32

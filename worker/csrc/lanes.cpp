@@ -4,6 +4,8 @@
 #include "common.h"
 #include "ops.h"
 
+#include <vector>
+
 namespace shoal {
 
 #ifdef SHOAL_LANES
@@ -107,6 +109,49 @@ void q4_lanes_rows(const float* x, const uint8_t* w, float* y, int64_t k, int64_
     }
   }
   lanes_store<M>(acc, nullptr, y, n, g);
+}
+
+// One 16-channel group's float32 weights `[K][16]` (f32_linear's lanes layout) rebuilt from its
+// levels into `out`, with q4_lanes_rows' multiply-add: the loader's float32 weight, bit for bit.
+inline void q4_lanes_unpack(const uint8_t* w, float* out, int64_t k) {
+  for (int64_t b = 0; b < k / 32; ++b) {
+    const uint8_t* block = w + b * kQ4GroupBytes;
+    const auto half = [](const uint8_t* p) { return reinterpret_cast<const uint16_t*>(p); };
+    const Lanes16 d = Lanes16::load_half(half(block)), m = Lanes16::load_half(half(block + 32));
+    for (int64_t s = 0; s < 16; ++s) {
+      Lanes16 q[2];
+      Lanes16::load_nibbles(block + 64 + 16 * s, q[0], q[1]);
+      for (int64_t e = 0; e < 2; ++e) fmadd(q[e], d, m).store(out + (32 * b + 2 * s + e) * 16);
+    }
+  }
+}
+
+// q4_lanes_rows rebuilds each weight once per kLaneRows rows of x; past this many rows
+// q4_lanes_unpacked rebuilds it once an iteration. SmolLM2's 120 projections on a 2-core Xeon
+// without AMX (AVX-512), ms, medians of 7 in turns, q4_lanes_rows / q4_lanes_unpacked: 8 rows
+// 12.4 / 15.6, 16 rows 22.3 / 23.1, 24 rows 32.1 / 33.0, 32 rows 44.5 / 39.9, 48 rows 64.7 /
+// 60.7, 64 rows 88.6 / 74.3 (docs/benchmarks.md, session 49).
+constexpr int64_t kQ4LanesDirectMaxRows = 24;
+
+// q4_lanes_linear past kQ4LanesDirectMaxRows rows: each group pair's float32 weights are rebuilt
+// once, into a thread's buffer (73 KB at K = 576: L2), and f32_linear's lanes_rows runs every
+// row over them: f32_linear's bits from a sixth of its bytes, so that no float32 lanes copy of
+// the weights need be kept beside the levels (worker/linear.py, Q4_LANES_UNPACKED_MAX_ROWS).
+void q4_lanes_unpacked(const float* x, const uint8_t* w, float* y, int64_t m, int64_t k,
+                       int64_t n) {
+  const int64_t group_bytes = k / 32 * kQ4GroupBytes;
+  run_items(n / 32, at::get_num_threads(), [&](int64_t pair, int64_t) {
+    thread_local std::vector<float> weights;
+    weights.resize(2 * k * 16);
+    q4_lanes_unpack(w + 2 * pair * group_bytes, weights.data(), k);
+    q4_lanes_unpack(w + (2 * pair + 1) * group_bytes, weights.data() + k * 16, k);
+    for (int64_t i0 = 0; i0 < m; i0 += kLaneRows)
+      with_row_count<kLaneRows>(std::min<int64_t>(m - i0, kLaneRows), [&](auto rows) {
+        lanes_rows<decltype(rows)::value>(x + i0 * k, weights.data(),
+                                          static_cast<const float*>(nullptr),
+                                          y + i0 * n + 2 * pair * 16, k, n, 0);
+      });
+  });
 }
 
 #else
@@ -400,6 +445,10 @@ Tensor q4_lanes_linear(const Tensor& x, const Tensor& packed) {
   TORCH_CHECK(n % 32 == 0, "q4_lanes_linear: N a multiple of 32");
   const uint8_t* wp = packed.data_ptr<uint8_t>();
 #if defined(__AVX512F__)
+  if (x.size(0) > kQ4LanesDirectMaxRows)
+    return lanes_frame(x, n, [&](const float* xp, float* yp) {
+      q4_lanes_unpacked(xp, wp, yp, x.size(0), k, n);
+    });
   return lanes_matmul(x, n, [&](auto rows, const float* xr, float* yr, int64_t g) {
     q4_lanes_rows<decltype(rows)::value>(xr, wp, yr, k, n, g);
   });
