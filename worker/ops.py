@@ -80,6 +80,7 @@ def lanes_linear_available() -> bool:
     return cpu_ops.load() and hasattr(torch.ops.shoal, "int4_linear")
 
 
+@functools.cache  # read once: every projection of a float32 model asks
 def lanes_avx512() -> bool:
     """True when the lanes kernels were built with AVX-512 (else AVX2): there
     `shoal::q4_lanes_linear` rebuilds each weight once an iteration past a few rows, and serves
