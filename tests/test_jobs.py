@@ -407,8 +407,11 @@ def test_interactive_requests_go_before_queued_job_requests(jobs_fleet, celery_w
     queued = [e for e in log.values() if e["priority"] == 1
               and e["arrival_time"] < me["arrival_time"] < e["arrival_time"] + e["queue_time_s"]]
     assert queued, "no job request was waiting when the interactive one arrived"
-    for e in queued:  # every job request waiting at its arrival was admitted after it
-        assert e["arrival_time"] + e["queue_time_s"] >= admitted
+    # Every job request waiting at its arrival was admitted after it, or with it in one plan:
+    # the log rounds arrival and queue times to 0.1 ms each, so one plan's admissions read back
+    # up to 0.2 ms apart (a run saw a job request 0.1 ms "before" the interactive one).
+    for e in queued:
+        assert e["arrival_time"] + e["queue_time_s"] >= admitted - 2e-4
     print(f"interactive admitted {admitted - me['arrival_time']:.3f} s after arrival, first token "
           f"{first_token - me['arrival_time']:.3f} s; {len(queued)} job requests were waiting")
 
