@@ -247,7 +247,7 @@ Q4_LANES_MAX_ROWS = 32
 # ... and where the kernels have AVX-512, past 24 rows it rebuilds each weight once an iteration
 # into a thread's buffer and runs f32_linear's tiles over it (worker/csrc/lanes.cpp): it then
 # beats f32_linear up to here, so no float32 lanes copy is kept beside the levels (0.4 GB for
-# SmolLM2) and oneDNN serves larger iterations, as fast as f32_linear from about 96 rows. All
+# SmolLM2) and oneDNN serves larger iterations, within 6% of f32_linear from 96 rows. All
 # 120 projections on a 2-core Xeon without AMX, ms, levels / f32_linear / oneDNN, medians of 5
 # in turns (session 49): 32 rows 38.2 / 43.9 / 47.8, 48 rows 56.1 / 64.3 / 76.7, 64 rows 68.4
 # / 74.3 / 79.2, 96 rows 100.4 / 93.1 / 98.9, 128 rows 129.2 / 119.0 / 118.0.
