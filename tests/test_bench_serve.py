@@ -108,7 +108,9 @@ def test_the_load_generator_runs_on_uvloop(synthetic_url):
 
 
 def test_poisson_arrivals_follow_the_seeded_schedule(synthetic_url):
-    rate, seed = 5.0, 7
+    # Gaps averaging 0.5 s leave room for a stall of a busy CI machine (0.2 s seen) and still
+    # tell this seed's schedule from another's by more than the slack.
+    rate, seed = 2.0, 7
     reqs = _reqs([1] * 6)
     (run,) = asyncio.run(run_sweep(synthetic_url, reqs, "poisson", [rate], [], seed=seed,
                                    progress=False))
@@ -119,7 +121,7 @@ def test_poisson_arrivals_follow_the_seeded_schedule(synthetic_url):
         t += rng.expovariate(rate)
     sent = sorted(r["sent_at_s"] for r in run["per_request"])
     for s, e in zip(sent, expected):
-        assert e - 0.01 <= s <= e + SLACK_S
+        assert e - 0.01 <= s <= e + 3 * SLACK_S
 
 
 def test_fixed_concurrency_keeps_that_many_in_flight(synthetic_url):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -50,12 +52,16 @@ pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the C++ kernels did 
 LOAD = [sys.executable, "-c", "from worker import cpu_ops; print(cpu_ops.load())"]
 
 
-def test_a_process_killed_while_loading_does_not_block_the_next():
+def test_a_process_killed_while_loading_does_not_block_the_next(tmp_path):
     """torch holds a lock file for every load (about 1.5 s when built); a worker killed in that
     window (a chaos kill, the OOM killer) left it behind and every later worker on the machine
     waited on it forever (CI, session 19)."""
-    lock = cpu_ops.build_directory() / "lock"
-    victim = subprocess.Popen(LOAD, stdout=subprocess.DEVNULL)
+    # A private copy of the build (mtimes kept, so ninja finds it up to date): other test
+    # processes load the shared one all the time and would clear the stale lock before we look.
+    shutil.copytree(cpu_ops.build_directory(), tmp_path / cpu_ops.build_directory().name)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    lock = tmp_path / cpu_ops.build_directory().name / "lock"
+    victim = subprocess.Popen(LOAD, stdout=subprocess.DEVNULL, env=env)
     try:
         deadline = time.monotonic() + 60
         while not lock.exists() and victim.poll() is None and time.monotonic() < deadline:
@@ -64,12 +70,11 @@ def test_a_process_killed_while_loading_does_not_block_the_next():
         victim.kill()
         victim.wait(10)
         assert lock.exists()  # the stale lock the next process meets
-        r = subprocess.run(LOAD, capture_output=True, text=True, timeout=120)
+        r = subprocess.run(LOAD, capture_output=True, text=True, timeout=120, env=env)
         assert r.stdout.strip() == "True", r.stderr
         assert not lock.exists()
     finally:
         victim.kill()
-        lock.unlink(missing_ok=True)
 
 
 def test_the_build_goes_where_torch_extensions_dir_says(monkeypatch, tmp_path):
