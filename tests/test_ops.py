@@ -29,7 +29,6 @@ from worker.linear import (
     LM_HEAD_DP_MAX_ROWS,
     Q4_AMX_MAX_ROWS,
     Q4_LANES_MAX_ROWS,
-    Q4_LANES_UNPACKED_MAX_ROWS,
     Q4_MAX_ROWS,
     QUANTIZED_MAX_ROWS,
     W8A8_MIN_ROWS,
@@ -473,10 +472,10 @@ def test_q4_lanes_linear_gives_f32_linears_bits_from_4_bit_levels(out_features, 
     levels, scale_min = random_q4_levels(out_features, in_features, g, q4_0)
     w = q4_weight(levels, scale_min, torch.float32)
     packed, lanes = pack_q4_lanes(levels, scale_min), pack_lanes(w)
-    # AVX2: every tile shape of both, chunks of 4 rows (q4_lanes_tiles) and tiles of 6 over
-    # blocks of 256 inputs saved between them (f32_tiles); AVX-512: the weights rebuilt once past
-    # 24 rows (q4_lanes_unpacked), last tiles of every size
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 24, 25, 33, 34, 64, 67, 300):
+    # Every tile shape of both (AVX2: chunks of 4 rows in q4_lanes_tiles, tiles of 6 over
+    # blocks of 256 inputs saved between them in f32_item), and the weights rebuilt once an
+    # iteration (q4_lanes_unpacked) past 12 rows (AVX2) or 24 (AVX-512), last tiles of every size
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 24, 25, 33, 34, 64, 67, 300):
         x = torch.randn(rows, in_features, generator=g)
         y = torch.ops.shoal.q4_lanes_linear(x, packed)
         assert torch.equal(y.view(torch.int32), torch.ops.shoal.f32_linear(x, lanes).view(torch.int32))
@@ -523,9 +522,9 @@ def _q4_served(dtype: torch.dtype) -> bool:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_linear_serves_few_rows_from_levels_that_give_back_its_weight(dtype, swiglu, caplog):
     """A Linear given the levels its weight came from serves iterations of up to Q4_MAX_ROWS
-    rows (bfloat16; Q4_AMX_MAX_ROWS on AMX CPUs) or Q4_LANES_MAX_ROWS (float32) from them (with its other copies zeroed,
-    exactly those rows still come out right); levels that do not give back the weight are
-    refused, with a warning."""
+    rows (bfloat16; Q4_AMX_MAX_ROWS on AMX CPUs) or Q4_LANES_MAX_ROWS (float32, keeping no
+    lanes copy) from them (with its other copies zeroed, exactly those rows still come out
+    right); levels that do not give back the weight are refused, with a warning."""
     if not _q4_served(dtype):
         pytest.skip(f"no 4-bit levels kernel for {dtype} on this CPU")
     g = torch.Generator().manual_seed(80 + swiglu)
@@ -533,16 +532,13 @@ def test_linear_serves_few_rows_from_levels_that_give_back_its_weight(dtype, swi
     w = q4_weight(levels, scale_min, dtype)
     lin = Linear(w, kernels=True, swiglu=swiglu, q4=(levels, scale_min))
     max_rows = ((Q4_AMX_MAX_ROWS if lin.amx else Q4_MAX_ROWS) if dtype == torch.bfloat16
-                else Q4_LANES_UNPACKED_MAX_ROWS if ops.lanes_avx512()
-                else Q4_LANES_MAX_ROWS)
+                else Q4_LANES_MAX_ROWS["avx512" if ops.lanes_avx512() else "avx2"])
     assert lin.q4 is not None and lin.q4_max_rows == max_rows
     assert lin.q4_lanes == (dtype == torch.float32)
     if dtype == torch.bfloat16:
         lin.pairs = torch.zeros_like(lin.pairs)
-    elif lin.lanes is not None:
-        lin.lanes = (torch.zeros_like(lin.lanes[0]),)
-    else:  # with AVX-512 the levels serve every row the lanes did; oneDNN's copy the rest
-        assert ops.lanes_avx512() and lin.lanes_max_rows == 0
+    else:  # the levels serve every row the lanes copy did, which is not kept; oneDNN the rest
+        assert lin.lanes is None and lin.lanes_max_rows == 0
         lin.packed, lin.weight = None, torch.zeros_like(w)
     for rows in (1, max_rows, max_rows + 1):
         x = torch.randn(rows, 96, generator=g).to(dtype)

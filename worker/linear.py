@@ -104,13 +104,13 @@ for the number of rows an iteration brings.
   so the kernel is bound by it, not by memory, and loses past 8 rows (table at Q4_MAX_ROWS);
   single-stream decode 77-90 -> 122-133 tokens/s (2-core Zen 4, docs/benchmarks.md session 21).
   Where the engine serves float32, `shoal::q4_lanes_linear` does the same beside `f32_linear`
-  (its chains and order, float32 weights d q + m: f32_linear's bits) for up to
-  `Q4_LANES_MAX_ROWS` rows: a decode step reads 67 MB instead of 425; single-stream decode
-  40-63 -> 103-113 tokens/s with `--dtype float32` on the Zen 4 (AVX2-only CPUs run the same
-  code on pairs of ymm registers; not measured there). With AVX-512, past a few rows it
-  rebuilds each weight once an iteration into a buffer and runs f32_linear's tiles over it (the
-  same bits), which beats f32_linear up to Q4_LANES_UNPACKED_MAX_ROWS rows: there the levels
-  and oneDNN's copy serve every iteration, and the float32 lanes copy is not kept.
+  (its chains and order, float32 weights d q + m: f32_linear's bits): a decode step reads 67 MB
+  instead of 425; single-stream decode 40-63 -> 103-113 tokens/s with `--dtype float32` on the
+  Zen 4. Past a few rows it rebuilds each weight once an iteration into a buffer and runs
+  f32_linear's tiles over it (the same bits), which beats f32_linear up to
+  `Q4_LANES_MAX_ROWS` rows (64 with AVX-512; on AVX2 at every size f32_linear serves, 128):
+  there the levels and oneDNN's copy serve every iteration, and the float32 lanes copy is not
+  kept.
   On AMX CPUs, where amx_linear serves and its tiles sum in another order than dp_linear's
   `vdpbf16ps` (about one output in 2,000 differs by a bfloat16 unit), `shoal::q4_amx_linear`
   rebuilds each pair of blocks' weight tiles from the levels into a scratch buffer and runs
@@ -176,13 +176,13 @@ for the number of rows an iteration brings.
 
   so both copies are kept (the lanes one adds the float32 weights once more: 0.54 GB for
   SmolLM2 with its LM head) and oneDNN serves iterations past 128 rows. On AVX2 f32_linear's
-  tiles have since kept blocks of one group's weights in L1 (`f32_tiles`, worker/csrc/lanes.cpp):
+  tiles have since kept blocks of one group's weights in L1 (`f32_item`, worker/csrc/lanes.cpp):
   32 / 64 / 128 rows 71.8 / 132.4 / 265.2 -> 63.0 / 122.4 / 222.9 ms on another Zen 3 of that
   kind, in turns (session 31). The lanes copy stays on
   ordinary pages: on huge pages decode at batch 1 measured 50.9 against 49.1 tokens/s (five
   rounds each, ranges overlapping) for about 100 MiB more resident memory (each tensor's last
-  huge page). With AVX-512, a projection that has its file's 4-bit levels keeps no lanes copy:
-  the levels serve up to Q4_LANES_UNPACKED_MAX_ROWS rows, oneDNN beyond (above).
+  huge page). A projection that has its file's 4-bit levels keeps no lanes copy: the levels
+  serve up to Q4_LANES_MAX_ROWS rows, oneDNN beyond (above).
 - Plain `F.linear` otherwise (float16, another device, or no oneDNN).
 """
 
@@ -239,19 +239,19 @@ DP_MAX_ROWS = sys.maxsize
 # 3.95 / 2.53, 4 rows 4.20 / 3.12, 8 rows 5.01 / 4.17, 10 rows (two tiles) 5.50 / 5.93, 16 rows
 # 5.35 / 7.27.
 Q4_MAX_ROWS = 8
-# shoal::q4_lanes_linear (float32 serving, f32_linear's bits) beats f32_linear up to here: all
-# 120 SmolLM2 projections, 2-core Zen 4 (AVX-512), ms for 1 / 2 / 4 / 8 / 16 / 32 / 48 / 64 rows:
-# f32_linear 12.0 / 12.9 / 13.1 / 20.2 / 34.4 / 50.8-58.7 / 75.5 / 127, q4_lanes_linear 5.4 /
-# 6.3 / 7.8 / 14.3 / 27.0 / 47.3-53.1 / 74.9 / 140.
-Q4_LANES_MAX_ROWS = 32
-# ... and where the kernels have AVX-512, past 24 rows it rebuilds each weight once an iteration
-# into a thread's buffer and runs f32_linear's tiles over it (worker/csrc/lanes.cpp): it then
-# beats f32_linear up to here, so no float32 lanes copy is kept beside the levels (0.4 GB for
-# SmolLM2) and oneDNN serves larger iterations, within 6% of f32_linear from 96 rows. All
-# 120 projections on a 2-core Xeon without AMX, ms, levels / f32_linear / oneDNN, medians of 5
-# in turns (session 49): 32 rows 38.2 / 43.9 / 47.8, 48 rows 56.1 / 64.3 / 76.7, 64 rows 68.4
-# / 74.3 / 79.2, 96 rows 100.4 / 93.1 / 98.9, 128 rows 129.2 / 119.0 / 118.0.
-Q4_LANES_UNPACKED_MAX_ROWS = 64
+# shoal::q4_lanes_linear (float32 serving, f32_linear's bits) rebuilds each weight from the
+# levels once per few rows, and past those (worker/csrc/lanes.cpp) once an iteration into a
+# thread's buffer, f32_linear's tiles running over it. Its rows direct, against f32_linear, all
+# 120 SmolLM2 projections on a 2-core Zen 4 (AVX-512), ms for 1 / 2 / 4 / 8 / 16 rows: 5.4 / 6.3
+# / 7.8 / 14.3 / 27.0 against 12.0 / 12.9 / 13.1 / 20.2 / 34.4. With the rebuild it beats
+# f32_linear up to here (by ISA of the kernels' build), so that no float32 lanes copy is kept
+# beside the levels (0.4 GB for SmolLM2) and oneDNN serves larger iterations. All 120
+# projections, ms, levels / f32_linear / oneDNN, medians in turns. AVX-512, a 2-core Xeon without
+# AMX (session 49): 32 rows 38.2 / 43.9 / 47.8, 64 rows 68.4 / 74.3 / 79.2, 96 rows 100.4 / 93.1
+# / 98.9, 128 rows 129.2 / 119.0 / 118.0. AVX2, a 2-core Zen 3 (session 50): 1 row 8.9 / 17.3 /
+# 25.7, 16 rows 29.3 / 34.0 / 45.9, 64 rows 87.6 / 90.8 / 119.1, 128 rows 166.0 / 166.7 /
+# 196.7: there the levels take every row f32_linear took (LANES_MAX_ROWS["none"]).
+Q4_LANES_MAX_ROWS = {"avx512": 64, "avx2": LANES_MAX_ROWS["none"]}
 # shoal::q4_amx_linear (the levels on AMX tiles, amx_linear's bits) beats amx_linear up to here:
 # all 120 SmolLM2 projections, 2-core Xeon with AMX, ms (runs in turns in one process;
 # docs/benchmarks.md, session 25), amx_linear / q4_amx_linear: 1 row 10.8 / 8.5, 8 rows 14.0 / 9.3,
@@ -553,9 +553,9 @@ class Linear:
             give back the weight bit for bit (checked here), iterations of up to Q4_MAX_ROWS rows
             read them through `shoal::q4_linear` where dp_linear serves (bfloat16; of up to
             Q4_AMX_MAX_ROWS through `shoal::q4_amx_linear` where amx_linear does), and of up to
-            Q4_LANES_MAX_ROWS through `shoal::q4_lanes_linear` where f32_linear does (float32;
-            Q4_LANES_UNPACKED_MAX_ROWS where the kernels have AVX-512, with no lanes copy
-            kept): the unquantized kernel's result from a third (a sixth) of the bytes.
+            Q4_LANES_MAX_ROWS through `shoal::q4_lanes_linear` where f32_linear does (float32,
+            with no lanes copy kept): the unquantized kernel's result from a third (a sixth)
+            of the bytes.
 
     Raises:
         ValueError: an unknown quantization, or int4 on a shape it cannot take.
@@ -680,11 +680,10 @@ class Linear:
                 self.q4_max_rows = Q4_MAX_ROWS
             elif self.lanes_op is not None:  # f32_linear's lanes (int8_linear's under w8a8)
                 self.q4 = self._pack_q4(weight, *q4, pack_q4_lanes)
-                self.q4_lanes, self.q4_max_rows = True, Q4_LANES_MAX_ROWS
-                if self.q4 is not None and ops.lanes_avx512():
-                    self.q4_max_rows = Q4_LANES_UNPACKED_MAX_ROWS
-                    if quantization == "none":  # oneDNN past it: the lanes copy goes below
-                        self.lanes_max_rows = self.q4_max_rows
+                self.q4_lanes = True
+                self.q4_max_rows = Q4_LANES_MAX_ROWS["avx512" if ops.lanes_avx512() else "avx2"]
+                if self.q4 is not None and quantization == "none":
+                    self.lanes_max_rows = self.q4_max_rows  # oneDNN past it: no lanes copy (below)
             if self.q4 is None:
                 self.q4_max_rows = 0
             elif self.w8a8 is not None:  # int8 activations take the iterations from there

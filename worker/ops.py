@@ -82,10 +82,9 @@ def lanes_linear_available() -> bool:
 
 @functools.cache  # read once: every projection of a float32 model asks
 def lanes_avx512() -> bool:
-    """True when the lanes kernels were built with AVX-512 (else AVX2): there
-    `shoal::q4_lanes_linear` rebuilds each weight once an iteration past a few rows, and serves
-    float32 iterations of up to Q4_LANES_UNPACKED_MAX_ROWS rows with no lanes copy of the
-    weights (worker/linear.py)."""
+    """True when the lanes kernels were built with AVX-512 (else AVX2): the float32 iterations
+    `shoal::q4_lanes_linear` serves from the levels differ by build (Q4_LANES_MAX_ROWS,
+    worker/linear.py)."""
     words = cpu_ops.cpu_flag_words()
     return lanes_linear_available() and words is not None and "avx512f" in words
 

@@ -78,6 +78,22 @@ void lanes_rows(const float* x, const W* w, const float* scale, float* y, int64_
   lanes_store<M>(acc, scale, y, n, g);
 }
 
+// One 16-channel group's float32 weights `[K][16]` (f32_linear's lanes layout) rebuilt from its
+// levels into `out`, with q4_lanes_rows' and q4_lanes_tile's multiply-add: the loader's float32
+// weight, bit for bit.
+inline void q4_lanes_unpack(const uint8_t* w, float* out, int64_t k) {
+  for (int64_t b = 0; b < k / 32; ++b) {
+    const uint8_t* block = w + b * kQ4GroupBytes;
+    const auto half = [](const uint8_t* p) { return reinterpret_cast<const uint16_t*>(p); };
+    const Lanes16 d = Lanes16::load_half(half(block)), m = Lanes16::load_half(half(block + 32));
+    for (int64_t s = 0; s < 16; ++s) {
+      Lanes16 q[2];
+      Lanes16::load_nibbles(block + 64 + 16 * s, q[0], q[1]);
+      for (int64_t e = 0; e < 2; ++e) fmadd(q[e], d, m).store(out + (32 * b + 2 * s + e) * 16);
+    }
+  }
+}
+
 #if defined(__AVX512F__)
 // float32 weights rebuilt from GGUF's 4-bit levels (see q4_linear in pairs.cpp for the scheme):
 // rows of x against channel groups g and g + 1, with lanes_rows' chains and order, so the result
@@ -111,48 +127,12 @@ void q4_lanes_rows(const float* x, const uint8_t* w, float* y, int64_t k, int64_
   lanes_store<M>(acc, nullptr, y, n, g);
 }
 
-// One 16-channel group's float32 weights `[K][16]` (f32_linear's lanes layout) rebuilt from its
-// levels into `out`, with q4_lanes_rows' multiply-add: the loader's float32 weight, bit for bit.
-inline void q4_lanes_unpack(const uint8_t* w, float* out, int64_t k) {
-  for (int64_t b = 0; b < k / 32; ++b) {
-    const uint8_t* block = w + b * kQ4GroupBytes;
-    const auto half = [](const uint8_t* p) { return reinterpret_cast<const uint16_t*>(p); };
-    const Lanes16 d = Lanes16::load_half(half(block)), m = Lanes16::load_half(half(block + 32));
-    for (int64_t s = 0; s < 16; ++s) {
-      Lanes16 q[2];
-      Lanes16::load_nibbles(block + 64 + 16 * s, q[0], q[1]);
-      for (int64_t e = 0; e < 2; ++e) fmadd(q[e], d, m).store(out + (32 * b + 2 * s + e) * 16);
-    }
-  }
-}
-
 // q4_lanes_rows rebuilds each weight once per kLaneRows rows of x; past this many rows
 // q4_lanes_unpacked rebuilds it once an iteration. SmolLM2's 120 projections on a 2-core Xeon
 // without AMX (AVX-512), ms, medians of 7 in turns, q4_lanes_rows / q4_lanes_unpacked: 8 rows
 // 12.4 / 15.6, 16 rows 22.3 / 23.1, 24 rows 32.1 / 33.0, 32 rows 44.5 / 39.9, 48 rows 64.7 /
 // 60.7, 64 rows 88.6 / 74.3 (docs/benchmarks.md, session 49).
 constexpr int64_t kQ4LanesDirectMaxRows = 24;
-
-// q4_lanes_linear past kQ4LanesDirectMaxRows rows: each group pair's float32 weights are rebuilt
-// once, into a thread's buffer (73 KB at K = 576: L2), and f32_linear's lanes_rows runs every
-// row over them: f32_linear's bits from a sixth of its bytes, so that no float32 lanes copy of
-// the weights need be kept beside the levels (worker/linear.py, Q4_LANES_UNPACKED_MAX_ROWS).
-void q4_lanes_unpacked(const float* x, const uint8_t* w, float* y, int64_t m, int64_t k,
-                       int64_t n) {
-  const int64_t group_bytes = k / 32 * kQ4GroupBytes;
-  run_items(n / 32, at::get_num_threads(), [&](int64_t pair, int64_t) {
-    thread_local std::vector<float> weights;
-    weights.resize(2 * k * 16);
-    q4_lanes_unpack(w + 2 * pair * group_bytes, weights.data(), k);
-    q4_lanes_unpack(w + (2 * pair + 1) * group_bytes, weights.data() + k * 16, k);
-    for (int64_t i0 = 0; i0 < m; i0 += kLaneRows)
-      with_row_count<kLaneRows>(std::min<int64_t>(m - i0, kLaneRows), [&](auto rows) {
-        lanes_rows<decltype(rows)::value>(x + i0 * k, weights.data(),
-                                          static_cast<const float*>(nullptr),
-                                          y + i0 * n + 2 * pair * 16, k, n, 0);
-      });
-  });
-}
 
 #else
 // The AVX2 form of q4_lanes_rows. 16 ymm registers cannot hold its accumulators, the two
@@ -327,10 +307,11 @@ Tensor int8_linear(const Tensor& x, const Tensor& w, const Tensor& scale) {
 // f32_linear on AVX2. lanes_rows' tile there (2 rows x 32 channels) read its channel pair's
 // weights (73 KB at K = 576, more than L1) from L2 again for every 2 rows: 128 bytes per 8 FMAs.
 // Here a thread keeps kF32BlockK inputs of one group's weights (16 KB) in L1 while every tile
-// of up to kF32TileRows rows of x passes over them, each accumulator saved to y between blocks. Every (row, channel) still sums its inputs in order from zero in
-// one chain, as lanes_rows does with kLaneChains = 1 (and q4_lanes_tile): the same bits. 120
-// SmolLM2 projections on a 2-core Zen 3, ms, in turns (docs/benchmarks.md, session 31): 32 /
-// 64 / 128 rows 71.8 / 132.4 / 265.2 -> 63.0 / 122.4 / 222.9.
+// of up to kF32TileRows rows of x passes over them, each accumulator saved to y between blocks.
+// Every (row, channel) still sums its inputs in order from zero in one chain, as lanes_rows does
+// with kLaneChains = 1 (and q4_lanes_tile): the same bits. 120 SmolLM2 projections on a 2-core
+// Zen 3, ms, in turns (docs/benchmarks.md, session 31): 32 / 64 / 128 rows 71.8 / 132.4 / 265.2
+// -> 63.0 / 122.4 / 222.9.
 constexpr int64_t kF32TileRows = 6;  // 12 accumulators, 2 weight vectors and a broadcast x
 constexpr int64_t kF32BlockK = 256;
 
@@ -361,19 +342,58 @@ inline void f32_tile(const float* x, const float* w, float* y, int64_t k, int64_
   }
 }
 
-// y `[m, n]` = x `[m, k]` times the lanes weight `w` `[n / 16, k, 16]`, all float32; a group of
-// 16 channels an item (run_items).
-void f32_tiles(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n) {
-  run_items(n / 16, at::get_num_threads(), [&](int64_t g, int64_t) {
-    for (int64_t c0 = 0; c0 < k; c0 += kF32BlockK)
-      for (int64_t i0 = 0; i0 < m; i0 += kF32TileRows)
-        with_row_count<kF32TileRows>(std::min<int64_t>(m - i0, kF32TileRows), [&](auto rows) {
-          f32_tile<decltype(rows)::value>(x + i0 * k, w + g * k * 16, y + i0 * n + g * 16, k, n,
-                                          c0, std::min<int64_t>(c0 + kF32BlockK, k));
-        });
-  });
+// Rows [0, m) of x `[m, k]` times one group's weights `w` `[k][16]`, into y's 16 channels at
+// `y` (rows n apart): each thread's item of f32_linear and q4_lanes_unpacked.
+constexpr int64_t kF32ItemGroups = 1;
+inline void f32_item(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n) {
+  for (int64_t c0 = 0; c0 < k; c0 += kF32BlockK)
+    for (int64_t i0 = 0; i0 < m; i0 += kF32TileRows)
+      with_row_count<kF32TileRows>(std::min<int64_t>(m - i0, kF32TileRows), [&](auto rows) {
+        f32_tile<decltype(rows)::value>(x + i0 * k, w, y + i0 * n, k, n, c0,
+                                        std::min<int64_t>(c0 + kF32BlockK, k));
+      });
+}
+#else
+// As above, with AVX-512's lanes_rows over a pair of groups (`w` `[2][k][16]`, y's 32 channels):
+// 32 accumulators hold 4 rows' two chains of both groups, each group's weights read once per 4
+// rows.
+constexpr int64_t kF32ItemGroups = 2;
+inline void f32_item(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n) {
+  for (int64_t i0 = 0; i0 < m; i0 += kLaneRows)
+    with_row_count<kLaneRows>(std::min<int64_t>(m - i0, kLaneRows), [&](auto rows) {
+      lanes_rows<decltype(rows)::value>(x + i0 * k, w, static_cast<const float*>(nullptr),
+                                        y + i0 * n, k, n, 0);
+    });
 }
 #endif
+
+// y `[m, n]` = x `[m, k]` times the lanes weight `w` `[n / 16, k, 16]`, all float32; an item of
+// kF32ItemGroups groups at a time (run_items).
+void f32_items(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n) {
+  constexpr int64_t c = 16 * kF32ItemGroups;
+  run_items(n / c, at::get_num_threads(), [&](int64_t item, int64_t) {
+    f32_item(x, w + item * c * k, y + item * c, m, k, n);
+  });
+}
+
+// q4_lanes_linear past kQ4LanesDirectMaxRows rows: each item's float32 weights are rebuilt from
+// the levels once, into a thread's buffer (37 KB a group at K = 576: L2), and f32_linear's
+// f32_item runs every row over them: f32_linear's bits from a sixth of its bytes, so that no
+// float32 lanes copy of the weights need be kept beside the levels (worker/linear.py,
+// Q4_LANES_MAX_ROWS).
+void q4_lanes_unpacked(const float* x, const uint8_t* w, float* y, int64_t m, int64_t k,
+                       int64_t n) {
+  constexpr int64_t c = 16 * kF32ItemGroups;
+  const int64_t group_bytes = k / 32 * kQ4GroupBytes;
+  run_items(n / c, at::get_num_threads(), [&](int64_t item, int64_t) {
+    thread_local std::vector<float> weights;
+    weights.resize(c * k);
+    for (int64_t h = 0; h < kF32ItemGroups; ++h)
+      q4_lanes_unpack(w + (item * kF32ItemGroups + h) * group_bytes, weights.data() + h * 16 * k,
+                      k);
+    f32_item(x, weights.data(), y + item * c, m, k, n);
+  });
+}
 
 // float32 weights in the lanes layout: where the engine serves float32, oneDNN's prepacked
 // matmul reads a decode step's weights at about 13 GB/s on a 2-core Zen 3, half what the cores
@@ -385,25 +405,26 @@ Tensor f32_linear(const Tensor& x, const Tensor& w) {
   check_lanes_input(x, w, k, "f32_linear");
   TORCH_CHECK(n % 32 == 0, "f32_linear: N a multiple of 32");
   const float* wp = w.data_ptr<float>();
-#if defined(__AVX512F__)
-  return lanes_matmul(x, n, [&](auto rows, const float* xr, float* yr, int64_t g) {
-    lanes_rows<decltype(rows)::value>(xr, wp, static_cast<const float*>(nullptr), yr, k, n, g);
-  });
-#else
   return lanes_frame(x, n, [&](const float* xp, float* yp) {
-    f32_tiles(xp, wp, yp, x.size(0), k, n);
+    f32_items(xp, wp, yp, x.size(0), k, n);
   });
-#endif
 }
 
 #if !defined(__AVX512F__)
+// q4_lanes_tiles rebuilds each weight once per 4 rows of x; past this many rows q4_lanes_unpacked
+// rebuilds it once an iteration. SmolLM2's 120 projections on a 2-core Zen 3 (AVX2), ms, medians
+// of 7 in turns, q4_lanes_tiles / q4_lanes_unpacked: 8 rows 18.8 / 22.4, 10 rows 23.5 / 22.8, 12
+// rows 25.2 / 25.8, 14 rows 31.4 / 28.9, 16 rows 33.4 / 29.3, 32 rows 59.1 / 49.0, 64 rows
+// 116.2 / 87.6 (docs/benchmarks.md, session 50).
+constexpr int64_t kQ4LanesDirectMaxRows = 12;
+
 // Groups a q4_lanes_tile of M rows takes (as many as keep 8 accumulators).
 template <int64_t M> constexpr int64_t kQ4TileGroups = M == 1 ? 4 : M == 2 ? 2 : 1;
 
 // q4_lanes_linear's work on AVX2 as items (run_items) of 4 channel groups (64 channels), the
 // last 2 x threads items of 2 groups, so that the threads finish together: an item walks every
 // chunk of up to 4 rows in tiles of kQ4TileGroups<rows> groups, so a chunk after the first finds
-// its levels in cache. Items rather than a contiguous half per thread (as this kernel, f32_tiles
+// its levels in cache. Items rather than a contiguous half per thread (as this kernel, f32_linear
 // and for_lane_tiles had): SmolLM2 float32 decode tokens/s on a 2-core Zen 3, halves -> items,
 // two rounds each in turns (docs/benchmarks.md, session 45): beside a process busy 1 ms in
 // every 5, batch 1 54.6 / 53.1 -> 61.2 / 56.4 and batch 64 216.4 / 232.5 -> 254.6 / 257.7;
@@ -444,11 +465,11 @@ Tensor q4_lanes_linear(const Tensor& x, const Tensor& packed) {
   check_lanes_input(x, packed, k, "q4_lanes_linear");
   TORCH_CHECK(n % 32 == 0, "q4_lanes_linear: N a multiple of 32");
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-#if defined(__AVX512F__)
   if (x.size(0) > kQ4LanesDirectMaxRows)
     return lanes_frame(x, n, [&](const float* xp, float* yp) {
       q4_lanes_unpacked(xp, wp, yp, x.size(0), k, n);
     });
+#if defined(__AVX512F__)
   return lanes_matmul(x, n, [&](auto rows, const float* xr, float* yr, int64_t g) {
     q4_lanes_rows<decltype(rows)::value>(xr, wp, yr, k, n, g);
   });
