@@ -56,11 +56,11 @@ def _run(model, tokenizer, **kw):
 @pytest.mark.skipif(not cpu_ops.load(), reason="the C++ kernels did not build here")
 def test_fast_paths_give_the_reference_tokens_in_float32(fp32_model, tokenizer):
     if ops.lanes_linear_available():  # decode rows then run shoal::q4_lanes_linear from the
-        # file's 4-bit levels, up to 64 rows with AVX-512 and 128 with AVX2, and no float32 lanes
+        # file's 4-bit levels, up to 64 rows with AVX-512 and 1,024 with AVX2, and no float32 lanes
         # copy is kept (worker/linear.py)
         gate_up = make_engine(fp32_model).model.layers[0].gate_up
         assert gate_up.q4_lanes and gate_up.lanes is None
-        assert gate_up.q4_max_rows == (64 if ops.lanes_avx512() else 128)
+        assert gate_up.q4_max_rows == (64 if ops.lanes_avx512() else 1024)
     fast = _run(fp32_model, tokenizer, max_num_batched_tokens=256)
     reference = _run(fp32_model, tokenizer, max_num_batched_tokens=256, fast_paths=False)
     assert all(len(t) == 24 for t in fast.values())

@@ -107,10 +107,9 @@ for the number of rows an iteration brings.
   (its chains and order, float32 weights d q + m: f32_linear's bits): a decode step reads 67 MB
   instead of 425; single-stream decode 40-63 -> 103-113 tokens/s with `--dtype float32` on the
   Zen 4. Past a few rows it rebuilds each weight once an iteration into a buffer and runs
-  f32_linear's tiles over it (the same bits), which beats f32_linear up to
-  `Q4_LANES_MAX_ROWS` rows (64 with AVX-512; on AVX2 at every size f32_linear serves, 128):
-  there the levels and oneDNN's copy serve every iteration, and the float32 lanes copy is not
-  kept.
+  f32_linear's tiles over it (the same bits), which beats f32_linear and oneDNN up to
+  `Q4_LANES_MAX_ROWS` rows (64 with AVX-512, 1,024 with AVX2): there the levels and oneDNN's
+  copy serve every iteration, and the float32 lanes copy is not kept.
   On AMX CPUs, where amx_linear serves and its tiles sum in another order than dp_linear's
   `vdpbf16ps` (about one output in 2,000 differs by a bfloat16 unit), `shoal::q4_amx_linear`
   rebuilds each pair of blocks' weight tiles from the levels into a scratch buffer and runs
@@ -162,8 +161,8 @@ for the number of rows an iteration brings.
 
   Float32 serving there, against oneDNN and `int4_linear`: 1 row 2.7 / 17.4 / 4.8, 16 rows
   11.3 / 25.0 / 25.4, 512 rows 351 / 597 / -.
-- **float32 iterations of up to 128 rows, unquantized** (`shoal::f32_linear`: the lanes kernel
-  with float32 weights, `LANES_MAX_ROWS["none"]`), where the engine serves float32 on a CPU the
+- **float32 iterations of up to 128 rows (AVX2: 1,024), unquantized** (`shoal::f32_linear`: the
+  lanes kernel with float32 weights, `LANES_MAX_ROWS["none"]`), where the engine serves float32 on a CPU the
   lanes kernels build for. oneDNN's prepacked float32 matmul streams a decode step's weights at
   about 13 GB/s on a 2-core Zen 3 (AVX2), half of what the two cores read. All 120 SmolLM2
   projections (425 MB), weights out of cache, ms per iteration there, medians of five rounds
@@ -178,7 +177,8 @@ for the number of rows an iteration brings.
   SmolLM2 with its LM head) and oneDNN serves iterations past 128 rows. On AVX2 f32_linear's
   tiles have since kept blocks of one group's weights in L1 (`f32_item`, worker/csrc/lanes.cpp):
   32 / 64 / 128 rows 71.8 / 132.4 / 265.2 -> 63.0 / 122.4 / 222.9 ms on another Zen 3 of that
-  kind, in turns (session 31). The lanes copy stays on
+  kind, in turns (session 31), and beat oneDNN up to 1,024 rows on a third (session 50:
+  `F32_LANES_AVX2_MAX_ROWS`). The lanes copy stays on
   ordinary pages: on huge pages decode at batch 1 measured 50.9 against 49.1 tokens/s (five
   rounds each, ranges overlapping) for about 100 MiB more resident memory (each tensor's last
   huge page). A projection that has its file's 4-bit levels keeps no lanes copy: the levels
@@ -214,6 +214,12 @@ W8A8_VNNI_MIN_ROWS = 9
 # float32 iterations of up to this many rows take shoal::int8_linear / int4_linear, or unquantized
 # shoal::f32_linear (tables above).
 LANES_MAX_ROWS = {"int8": 32, "int4": 16, "w8a8": W8A8_MIN_ROWS - 1, "none": 128}
+# ... unquantized ones on AVX2, where f32_linear's blocked tiles beat oneDNN up to here: all 120
+# SmolLM2 projections on a 2-core Zen 3, ms, f32_linear / oneDNN, medians in turns (session 50):
+# 192 rows 245.8 / 273.1, 256 rows 326.8 / 362.8, 512 rows 672.9 / 716.2, 1,024 rows 1,353.5 /
+# 1,589.3, 2,048 rows 3,036.2 / 2,922.9. (SmolLM2's LM head, 49,152 outputs, at 512 rows 262.0 /
+# 226.9: rows it sees only past 256 sequences a step.)
+F32_LANES_AVX2_MAX_ROWS = 1024
 # shoal::int4_q8_linear beats float32 oneDNN (AVX2-only CPUs) and bfloat16 dp_linear (AVX-512
 # VNNI) at every size measured (tables above).
 INT4_Q8_MAX_ROWS = sys.maxsize
@@ -250,8 +256,14 @@ Q4_MAX_ROWS = 8
 # AMX (session 49): 32 rows 38.2 / 43.9 / 47.8, 64 rows 68.4 / 74.3 / 79.2, 96 rows 100.4 / 93.1
 # / 98.9, 128 rows 129.2 / 119.0 / 118.0. AVX2, a 2-core Zen 3 (session 50): 1 row 8.9 / 17.3 /
 # 25.7, 16 rows 29.3 / 34.0 / 45.9, 64 rows 87.6 / 90.8 / 119.1, 128 rows 166.0 / 166.7 /
-# 196.7: there the levels take every row f32_linear took (LANES_MAX_ROWS["none"]).
-Q4_LANES_MAX_ROWS = {"avx512": 64, "avx2": LANES_MAX_ROWS["none"]}
+# 196.7, 256 rows 367.2 / 326.8 / 391.9, 512 rows 653.0 / 672.9 / 705.1, 1,024 rows 1,321.6 /
+# 1,353.5 / 1,420.5, 2,048 rows 3,083.0 / 3,036.2 / 2,961.1: there the levels take iterations of
+# up to 1,024 rows, as f32_linear does (in the engine, prefill of 2 / 4 / 8 prompts of 128 tokens
+# against the levels up to 128 rows and oneDNN past them, 12 / 12 / 10 pairs in turns: 1.140 /
+# 1.065 / 0.998x).
+# (torch's F.linear, MKL's sgemm, beat oneDNN's copy from 1,536 rows alone, 2,664.9 ms at 2,048,
+# but not in the engine: prefill of 2,048 rows 0.964x, 12 pairs; not kept.)
+Q4_LANES_MAX_ROWS = {"avx512": 64, "avx2": F32_LANES_AVX2_MAX_ROWS}
 # shoal::q4_amx_linear (the levels on AMX tiles, amx_linear's bits) beats amx_linear up to here:
 # all 120 SmolLM2 projections, 2-core Xeon with AMX, ms (runs in turns in one process;
 # docs/benchmarks.md, session 25), amx_linear / q4_amx_linear: 1 row 10.8 / 8.5, 8 rows 14.0 / 9.3,
@@ -611,6 +623,8 @@ class Linear:
         elif (kernels and weight.dtype == torch.float32 and ops.lanes_linear_available()
                 and shape_ok and (quantization != "none" or pack)):
             self.lanes_max_rows = LANES_MAX_ROWS[quantization]
+            if quantization == "none" and not ops.lanes_avx512():
+                self.lanes_max_rows = F32_LANES_AVX2_MAX_ROWS
             if quantization == "none":
                 self.lanes = (pack_lanes(weight),)
                 self.lanes_op = torch.ops.shoal.f32_linear
