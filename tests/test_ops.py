@@ -24,6 +24,7 @@ from worker.linear import (
     AMX_MAX_ROWS,
     AMX_NARROW_MAX_K,
     DP_MAX_ROWS,
+    F32_LANES_AVX2_MAX_ROWS,
     INT4_Q8_MAX_ROWS,
     LANES_MAX_ROWS,
     LM_HEAD_DP_MAX_ROWS,
@@ -798,6 +799,28 @@ def test_int4_q8_linear_equals_its_block_quantized_product(rows):
     assert 1e-4 < rel(y.double(), exact_x) < 3e-2
     with pytest.raises(ValueError, match="divisible by 8"):
         pack_int4_quads(w[:92])
+
+
+@pytest.mark.skipif(not ops.lanes_linear_available(), reason="the kernels were built without AVX-512 or AVX2")
+def test_unquantized_float32_linear_takes_f32_linear_up_to_its_rows_then_onednn():
+    """Without levels, float32 iterations of up to LANES_MAX_ROWS["none"] rows (AVX2:
+    F32_LANES_AVX2_MAX_ROWS, where f32_linear's tiles beat oneDNN that far) run f32_linear, to
+    the bit, and larger ones oneDNN's prepacked copy: the rows the levels take on the same CPU,
+    so an engine with them and one without give the same bits (tests/test_fast_paths.py)."""
+    g = torch.Generator().manual_seed(45)
+    w = torch.randn(64, 1536, generator=g) * 0.1  # oneDNN splits K this long: other bits
+    lin = Linear(w, kernels=True)
+    max_rows = LANES_MAX_ROWS["none"] if ops.lanes_avx512() else F32_LANES_AVX2_MAX_ROWS
+    assert lin.lanes_op == torch.ops.shoal.f32_linear and lin.lanes_max_rows == max_rows
+    assert lin.lanes_max_rows == Q4_LANES_MAX_ROWS["avx2"] or ops.lanes_avx512()
+    for rows in (max_rows, max_rows + 1):
+        x = torch.randn(rows, 1536, generator=g)
+        lanes = torch.ops.shoal.f32_linear(x, pack_lanes(w))
+        assert rel(lanes, torch.nn.functional.linear(x, w)) <= 1e-5
+        assert torch.equal(lin(x), lanes) == (rows <= max_rows), rows
+        if rows > max_rows and lin.packed is not None:
+            onednn = torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none", [None], "")
+            assert torch.equal(lin(x), onednn)
 
 
 @pytest.mark.skipif(not ops.lanes_linear_available(), reason="the kernels were built without AVX-512 or AVX2")
