@@ -217,8 +217,9 @@ LANES_MAX_ROWS = {"int8": 32, "int4": 16, "w8a8": W8A8_MIN_ROWS - 1, "none": 128
 # ... unquantized ones on AVX2, where f32_linear's blocked tiles beat oneDNN up to here: all 120
 # SmolLM2 projections on a 2-core Zen 3, ms, f32_linear / oneDNN, medians in turns (session 50):
 # 192 rows 245.8 / 273.1, 256 rows 326.8 / 362.8, 512 rows 672.9 / 716.2, 1,024 rows 1,353.5 /
-# 1,589.3, 2,048 rows 3,036.2 / 2,922.9. (SmolLM2's LM head, 49,152 outputs, at 512 rows 262.0 /
-# 226.9: rows it sees only past 256 sequences a step.)
+# 1,589.3, 2,048 rows 3,036.2 / 2,922.9. (SmolLM2's LM head, 49,152 outputs, at 256 / 512 /
+# 1,024 rows 104.1 / 262.0 / 530.0 against 99.1 / 226.9 / 469.0: rows it sees only from prompt
+# logprobs or more than the default 256 sequences a step, so it takes the same limit.)
 F32_LANES_AVX2_MAX_ROWS = 1024
 # shoal::int4_q8_linear beats float32 oneDNN (AVX2-only CPUs) and bfloat16 dp_linear (AVX-512
 # VNNI) at every size measured (tables above).
