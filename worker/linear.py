@@ -162,8 +162,8 @@ for the number of rows an iteration brings.
   Float32 serving there, against oneDNN and `int4_linear`: 1 row 2.7 / 17.4 / 4.8, 16 rows
   11.3 / 25.0 / 25.4, 512 rows 351 / 597 / -.
 - **float32 iterations of up to 128 rows (AVX2: 1,024), unquantized** (`shoal::f32_linear`: the
-  lanes kernel with float32 weights, `LANES_MAX_ROWS["none"]`), where the engine serves float32 on a CPU the
-  lanes kernels build for. oneDNN's prepacked float32 matmul streams a decode step's weights at
+  lanes kernel with float32 weights, `LANES_MAX_ROWS["none"]`), where the engine serves float32
+  on a CPU the lanes kernels build for. oneDNN's prepacked float32 matmul streams a decode step's weights at
   about 13 GB/s on a 2-core Zen 3 (AVX2), half of what the two cores read. All 120 SmolLM2
   projections (425 MB), weights out of cache, ms per iteration there, medians of five rounds
   interleaved (session 17):
@@ -624,9 +624,9 @@ class Linear:
         elif (kernels and weight.dtype == torch.float32 and ops.lanes_linear_available()
                 and shape_ok and (quantization != "none" or pack)):
             self.lanes_max_rows = LANES_MAX_ROWS[quantization]
-            if quantization == "none" and not ops.lanes_avx512():
-                self.lanes_max_rows = F32_LANES_AVX2_MAX_ROWS
             if quantization == "none":
+                if not ops.lanes_avx512():
+                    self.lanes_max_rows = F32_LANES_AVX2_MAX_ROWS
                 self.lanes = (pack_lanes(weight),)
                 self.lanes_op = torch.ops.shoal.f32_linear
             elif quantization == "int4":
