@@ -234,10 +234,12 @@ def test_decode_stack_gives_the_layer_loops_bits(dtype, served):
 @pytest.mark.skipif(not (ops.int8_gemv_available() or ops.int4_q8_available()),
                     reason="neither shoal::int8_gemv nor shoal::int4_q8_linear is built here")
 @pytest.mark.skipif(not REFERENCE_TEXT.exists(), reason=f"{REFERENCE_TEXT} is not on this machine")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype,quantization", [(torch.bfloat16, "none"), (torch.float32, "none"),
+                                                (torch.float32, "int4")])
 def test_greedy_rows_screened_through_a_low_precision_lm_head_are_the_exact_argmax(
-        dtype, bf16_model, fp32_model, tokenizer):
-    """Unquantized greedy iterations take their candidates from an int8 copy of the LM head
+        dtype, quantization, bf16_model, fp32_model, tokenizer):
+    """Greedy iterations (unquantized, and under int4, whose LM head is otherwise the int8 one
+    then float32 past int8_linear's rows) take their candidates from an int8 copy of the LM head
     (through vnni_linear at every size but the int4 screen's, up to 16 rows where AMX tiles
     serve the head, or int8_gemv up to 6 rows) or an int4 one (up to 4 rows where vnni_linear
     serves beyond, up to 64 on AVX2-only CPUs): over 512 positions of a real text and 512 of
@@ -252,7 +254,8 @@ def test_greedy_rows_screened_through_a_low_precision_lm_head_are_the_exact_argm
 
     from worker.attention import build_metadata
 
-    engine = make_engine(bf16_model if dtype == torch.bfloat16 else fp32_model, dtype=dtype)
+    engine = make_engine(bf16_model if dtype == torch.bfloat16 else fp32_model, dtype=dtype,
+                         quantization=quantization)
     m = engine.model
     # vnni_linear's int8 screen serves iterations of every size (behind int4's up to 4 rows;
     # where AMX tiles serve the LM head, up to 16 rows), int4's up to 64 rows where vnni_linear
@@ -261,7 +264,10 @@ def test_greedy_rows_screened_through_a_low_precision_lm_head_are_the_exact_argm
     int8_rows = m.INT8_SCREEN_AMX_MAX_ROWS if m.lm_head_proj.amx else sys.maxsize
     expected = ([m.INT4_SCREEN_VNNI_MAX_ROWS] if vnni and int4 else []) + (
         [int8_rows] if vnni else [m.INT4_SCREEN_MAX_ROWS] if int4
-        else [m.LM_HEAD_SCREEN_MAX_ROWS])
+        else [m.LM_HEAD_SCREEN_MAX_ROWS] if quantization == "none" else [])
+    if not expected:
+        pytest.skip("under int4 only the int4 and vnni_linear screens serve (the int8 head's "
+                    "few-row iterations already read int8_gemv's copy)")
     assert [s.max_rows for s in m.lm_head_screens] == expected
     chunks = sorted({rows for rows in (1, m.INT4_SCREEN_VNNI_MAX_ROWS, m.LM_HEAD_SCREEN_MAX_ROWS,
                                        16, 64) if rows <= expected[-1]})

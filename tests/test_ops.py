@@ -766,7 +766,7 @@ def test_lanes_kernels_equal_the_dequantized_weights_matmul(dtype, rows):
 
 @pytest.mark.skipif(not ops.int4_q8_available(),
                     reason="the kernels were built without AVX2, or with AVX-512 but no VNNI")
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 11])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 11, 133])
 def test_int4_q8_linear_equals_its_block_quantized_product(rows):
     """int4_q8_linear against the same arithmetic in float64: each row quantized to int8 per
     block of 32 inputs (scale max |x| / 127), times the int4 levels, scaled per block, plus each

@@ -166,9 +166,13 @@ class LlamaModel:
         self.lm_head_proj = Linear(self.lm_head, "none" if unquantized_head else "int8",
                                    pack=fast_paths, int8_gemv=True, kernels=self.kernels,
                                    dp_max_rows=LM_HEAD_DP_MAX_ROWS)
-        # Unquantized, greedy iterations screen the vocabulary with a low-precision copy of the
-        # LM head and recompute the best candidates exactly (compute_logits). Logits anyone reads
-        # stay unquantized. The screen, by what the kernels were built with:
+        # Greedy iterations screen the vocabulary with a low-precision copy of the LM head and
+        # recompute the best candidates exactly (compute_logits); logits anyone reads come from
+        # `lm_head_proj`. Under int8 and int4 too: there a greedy row's token was the exact
+        # argmax of the int8 head's best REFINE_TOP_K, and the screens keep more candidates. On a
+        # 2-core Zen 3 under int4, 64 greedy rows took 30-35 ms in the head's float32 oneDNN copy
+        # (past int8_linear's 32 rows), 20-23 through the int4 screen (session 51). The screen,
+        # by what the kernels were built with:
         # - int8 x int8 through `shoal::vnni_linear` (W8A8's kernel; AVX512_BF16 and VNNI), for
         #   iterations of every size: at 1-2 rows as fast as int8_gemv below, from 4 rows 1.7-3x
         #   faster; compute_logits of greedy rows at 4 / 8 / 64 rows 1.37 / 2.21 / 10.0 -> 0.79
@@ -177,16 +181,16 @@ class LlamaModel:
         # - int4 through `shoal::int4_q8_linear` on AVX2-only CPUs, where reading the int8 copy
         #   is the bound: 1.38 -> 0.55 ms a row, 1.99 -> 1.24 at 4 (2-core Zen 3, session 22),
         #   iterations of up to INT4_SCREEN_MAX_ROWS;
-        # - elsewhere int8 through `shoal::int8_gemv`: half the bytes of bfloat16 (a quarter of
-        #   float32's), 1.36 -> 0.36 ms a row, single-stream decode +6-10% in bfloat16 and +20%
-        #   in float32 (2-core Zen 4, session 20).
+        # - elsewhere int8 through `shoal::int8_gemv` (unquantized heads): half the bytes of
+        #   bfloat16 (a quarter of float32's), 1.36 -> 0.36 ms a row, single-stream decode
+        #   +6-10% in bfloat16 and +20% in float32 (2-core Zen 4, session 20).
         # The int8 screens quantize activations per row and weights per channel alike. Where
         # vnni_linear serves, iterations of up to INT4_SCREEN_VNNI_MAX_ROWS rows take the int4
         # screen first: a few rows are bound by reading the copy, and int4's is half int8's.
         # `lm_head_screens`: the screens in ascending `max_rows`; an iteration takes the first
         # that serves its rows.
         self.lm_head_screens: list[_Screen] = []
-        if (unquantized_head and self.kernels and cfg.hidden_size % 64 == 0
+        if (self.kernels and cfg.hidden_size % 64 == 0
                 and (tp is None or tp.rank == 0)):  # rank 0 samples
             vnni = ops.vnni_linear_available()
             if ops.int4_q8_available():
@@ -200,7 +204,8 @@ class LlamaModel:
                 self.lm_head_screens.append(_Screen(
                     lambda x: vnni_matmul(x, packed), self.INT8_REFINE_TOP_K,
                     self.INT8_SCREEN_AMX_MAX_ROWS if self.lm_head_proj.amx else sys.maxsize))
-            elif not self.lm_head_screens and ops.int8_gemv_available():
+            elif not self.lm_head_screens and unquantized_head and ops.int8_gemv_available():
+                # (under int8 and int4 `lm_head_proj` reads this same copy at these rows)
                 q, scale = quantize_int8(self.lm_head)
                 gemv = (q, scale.float(), q.sum(dim=1, dtype=torch.int32))
                 self.lm_head_screens.append(_Screen(

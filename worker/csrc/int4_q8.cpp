@@ -22,14 +22,48 @@ namespace shoal {
 // block b holds, for each of 8 output channels c, 4 bytes: inputs 32b + 4t + i (low nibble) and
 // 32b + 16 + 4t + i (high nibble), i = 0..3; scale_min [N/8][K/32][2][8] float16.
 // ---------------------------------------------------------------------------------------------
+// One block of 32 inputs of x to int8: d = max |x| / 127, x8 = x * (127 / max |x|) rounded half to
+// even (the rounding std::nearbyint does; `vcvtps2dq` in the default mode), a block of zeros all
+// zeros with d = 0; ds = {d, the block's float32 sum}. The scaling is a plain multiply, never
+// contracted with anything: an FMA there resolved other near-ties, and the perplexity of 512
+// tokens of GPL-3 measured 2.6-3.4% higher (19.17 / 20.47 against 18.65 / 19.93;
+// docs/benchmarks.md, session 15).
+inline void quantize_block_q8(const float* x, int8_t* x8, float* ds) {
+  const __m256 v[4] = {_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8), _mm256_loadu_ps(x + 16),
+                       _mm256_loadu_ps(x + 24)};
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const auto abs = [&](__m256 e) { return _mm256_andnot_ps(sign, e); };
+  __m256 a = _mm256_max_ps(_mm256_max_ps(abs(v[0]), abs(v[1])),
+                           _mm256_max_ps(abs(v[2]), abs(v[3])));
+  __m256 t = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
+  __m128 a4 = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  a4 = _mm_max_ps(a4, _mm_movehl_ps(a4, a4));
+  t4 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+  a4 = _mm_max_ss(a4, _mm_movehdup_ps(a4));
+  t4 = _mm_add_ss(t4, _mm_movehdup_ps(t4));
+  const float amax = _mm_cvtss_f32(a4);
+  ds[0] = amax / 127.f;
+  ds[1] = _mm_cvtss_f32(t4);
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256i q[4];
+  for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+  // The packs work within 128-bit lanes: their dwords hold inputs 0-3, 8-11, 16-19, 24-27, 4-7,
+  // 12-15, 20-23 and 28-31.
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                            _mm256_packs_epi32(q[2], q[3]));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x8), _mm256_permutevar8x32_epi32(packed, order));
+}
+
 // Rows sharing the unpacked levels of a block (registers: 8 + 4). With VNNI this 8-channel
 // AVX2 form still serves iterations of up to this many rows: at 1-4 rows it measured 2.9-3.9 ms
 // for SmolLM2's 120 projections against 4.0-5.4 for the 16-channel form below (2-core Zen 4).
 constexpr int64_t kQ8Rows = 4;
 
 template <int64_t M>
-void int4_q8_rows(const int8_t* x8, const float* d, const float* x_sum, const uint8_t* w,
-                  const uint16_t* sm, float* y, int64_t k, int64_t n, int64_t g) {
+void int4_q8_rows(const int8_t* x8, const float* ds, const uint8_t* w, const uint16_t* sm,
+                  float* y, int64_t k, int64_t n, int64_t g) {
   const int64_t nb = k / 32;
   const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   __m256 acc[M];
@@ -54,8 +88,9 @@ void int4_q8_rows(const int8_t* x8, const float* d, const float* x_sum, const ui
         s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lv[t], _mm256_set1_epi32(quad)));
       }
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
-      acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scl, _mm256_set1_ps(d[i * nb + b])), acc[i]);
-      acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x_sum[i * nb + b]), acc[i]);
+      const float* db = ds + 2 * (i * nb + b);
+      acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scl, _mm256_set1_ps(db[0])), acc[i]);
+      acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(db[1]), acc[i]);
     }
   }
   for (int64_t i = 0; i < M; ++i) _mm256_storeu_ps(y + i * n + 8 * g, acc[i]);
@@ -70,8 +105,8 @@ void int4_q8_rows(const int8_t* x8, const float* d, const float* x_sum, const ui
 constexpr int64_t kQ8VnniRows = 8;
 
 template <int64_t M>
-void int4_q8_rows_vnni(const int8_t* x8, const float* d, const float* x_sum, const uint8_t* w,
-                       const uint16_t* sm, float* y, int64_t k, int64_t n, int64_t g) {
+void int4_q8_rows_vnni(const int8_t* x8, const float* ds, const uint8_t* w, const uint16_t* sm,
+                       float* y, int64_t k, int64_t n, int64_t g) {
   const int64_t nb = k / 32;
   const __m512i low = _mm512_set1_epi8(15);
   __m512 acc[M];
@@ -107,8 +142,9 @@ void int4_q8_rows_vnni(const int8_t* x8, const float* d, const float* x_sum, con
         s32 = _mm512_dpbusd_epi32(s32, lv[t], _mm512_set1_epi32(quad));
       }
       const __m512 dot = _mm512_cvtepi32_ps(s32);
-      acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scl, _mm512_set1_ps(d[i * nb + b])), acc[i]);
-      acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x_sum[i * nb + b]), acc[i]);
+      const float* db = ds + 2 * (i * nb + b);
+      acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scl, _mm512_set1_ps(db[0])), acc[i]);
+      acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(db[1]), acc[i]);
     }
   }
   for (int64_t i = 0; i < M; ++i) _mm512_storeu_ps(y + i * n + 8 * g, acc[i]);
@@ -123,6 +159,14 @@ void int4_q8_rows_vnni(const int8_t* x8, const float* d, const float* x_sum, con
 // 1.14 / 1.44 / 1.87 / 3.04 / 10.6 (medians of 20).
 constexpr int64_t kQ8PrefetchGroups = 2;
 
+// On AVX2, a thread runs its groups over this many rows at a time, so that their int8 inputs
+// (36 KB at K = 576) stay near while its weights pass, instead of every group streaming all of a
+// prompt's inputs from L3 (1.2 MB at 2,048 rows). A [3072, 576] weight at 2,048 rows on both
+// cores of a Zen 3, in a standalone harness: 43-50 -> 38-39 ms (16 and 256 rows a chunk no
+// better); SmolLM2's 120 projections at 2,048 rows in separate processes, in turns: 2,620-2,722
+// -> 2,421-2,629 ms (docs/benchmarks.md, session 51).
+constexpr int64_t kQ8ChunkRows = 64;
+
 Tensor int4_q8_linear(const Tensor& x, const Tensor& w, const Tensor& scale_min) {
   TORCH_CHECK(w.dim() == 5 && w.size(2) == 4 && w.size(3) == 8 && w.size(4) == 4 &&
                   w.scalar_type() == at::kByte,
@@ -134,28 +178,15 @@ Tensor int4_q8_linear(const Tensor& x, const Tensor& w, const Tensor& scale_min)
               "int4_q8_linear: float16 scale_min [N/8, K/32, 2, 8]");
   const Tensor xf = x.to(at::kFloat);
   const float* xp = xf.data_ptr<float>();
-  // Each row's blocks of 32 inputs: int8 values, their scale and their exact sum. (Not through
-  // quantize_row: its rounding, which GCC contracts into an FMA with the scaling, resolved other
-  // near-ties, and with it the perplexity of 512 tokens of GPL-3 measured 2.6-3.4% higher here,
-  // 19.17 / 20.47 against 18.65 / 19.93; docs/benchmarks.md, session 15.)
-  std::vector<int8_t> x8(m * k);
-  std::vector<float> d(m * nb), x_sum(m * nb);
-  // (On both threads: a prefill iteration's inputs are millions of elements.)
+  // Each row's blocks of 32 inputs: int8 values, their scale and their exact sum (on both
+  // threads: a prefill iteration's inputs are millions of elements).
+  const Tensor x8_t = at::empty({m * k}, x.options().dtype(at::kChar));
+  const Tensor d_t = at::empty({m * nb, 2}, x.options().dtype(at::kFloat));
+  int8_t* x8 = x8_t.data_ptr<int8_t>();
+  float* ds = d_t.data_ptr<float>();  // per block: scale, sum
   at::parallel_for(0, m * nb, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const float* src = xp + blk * 32;
-      float amax = 0.f, sum = 0.f;
-#pragma omp simd reduction(max : amax) reduction(+ : sum)
-      for (int64_t e = 0; e < 32; ++e) {
-        amax = std::max(amax, std::fabs(src[e]));
-        sum += src[e];
-      }
-      d[blk] = amax / 127.f;
-      x_sum[blk] = sum;
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      for (int64_t e = 0; e < 32; ++e)
-        x8[blk * 32 + e] = static_cast<int8_t>(std::nearbyint(src[e] * inv));
-    }
+    for (int64_t blk = begin; blk < end; ++blk)
+      quantize_block_q8(xp + blk * 32, x8 + blk * 32, ds + 2 * blk);
   });
   Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -177,8 +208,7 @@ Tensor int4_q8_linear(const Tensor& x, const Tensor& w, const Tensor& scale_min)
         prefetch_group(2 * (pair + kQ8PrefetchGroups) + 1, 2 * end);
         for (int64_t i0 = 0; i0 < m; i0 += kQ8VnniRows)
           with_row_count<kQ8VnniRows>(std::min<int64_t>(m - i0, kQ8VnniRows), [&](auto rows) {
-            int4_q8_rows_vnni<decltype(rows)::value>(x8.data() + i0 * k, d.data() + i0 * nb,
-                                                     x_sum.data() + i0 * nb, wp, smp,
+            int4_q8_rows_vnni<decltype(rows)::value>(x8 + i0 * k, ds + 2 * i0 * nb, wp, smp,
                                                      yp + i0 * n, k, n, 2 * pair);
           });
       }
@@ -187,13 +217,16 @@ Tensor int4_q8_linear(const Tensor& x, const Tensor& w, const Tensor& scale_min)
   }
 #endif
   at::parallel_for(0, n / 8, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      prefetch_group(g + kQ8PrefetchGroups, end);
-      for (int64_t i0 = 0; i0 < m; i0 += kQ8Rows)
-        with_row_count<kQ8Rows>(std::min<int64_t>(m - i0, kQ8Rows), [&](auto rows) {
-          int4_q8_rows<decltype(rows)::value>(x8.data() + i0 * k, d.data() + i0 * nb,
-                                               x_sum.data() + i0 * nb, wp, smp, yp + i0 * n, k, n, g);
-        });
+    for (int64_t c0 = 0; c0 < m; c0 += kQ8ChunkRows) {
+      const int64_t c1 = std::min(m, c0 + kQ8ChunkRows);
+      for (int64_t g = begin; g < end; ++g) {
+        prefetch_group(g + kQ8PrefetchGroups, end);
+        for (int64_t i0 = c0; i0 < c1; i0 += kQ8Rows)
+          with_row_count<kQ8Rows>(std::min<int64_t>(c1 - i0, kQ8Rows), [&](auto rows) {
+            int4_q8_rows<decltype(rows)::value>(x8 + i0 * k, ds + 2 * i0 * nb, wp, smp,
+                                                 yp + i0 * n, k, n, g);
+          });
+      }
     }
   });
   return y.to(x.scalar_type());
