@@ -193,20 +193,26 @@ class LlamaModel:
         if (self.kernels and cfg.hidden_size % 64 == 0
                 and (tp is None or tp.rank == 0)):  # rank 0 samples
             vnni = ops.vnni_linear_available()
+
+            def int8_head() -> tuple[torch.Tensor, torch.Tensor]:
+                # int8 weights and per-channel scales: under int8 and int4 the head holds them
+                held = self.lm_head_proj.quantized
+                return (held[0], held[1]) if held is not None else quantize_int8(self.lm_head)
+
             if ops.int4_q8_available():
                 quads = pack_int4_quads(self.lm_head.float())
                 self.lm_head_screens.append(_Screen(
                     lambda x: torch.ops.shoal.int4_q8_linear(x, *quads), self.INT4_REFINE_TOP_K,
                     self.INT4_SCREEN_VNNI_MAX_ROWS if vnni else self.INT4_SCREEN_MAX_ROWS))
             if vnni:
-                q, scale = quantize_int8(self.lm_head)
+                q, scale = int8_head()
                 packed = pack_int8_quads(q, scale.float(), swiglu=False)
                 self.lm_head_screens.append(_Screen(
                     lambda x: vnni_matmul(x, packed), self.INT8_REFINE_TOP_K,
                     self.INT8_SCREEN_AMX_MAX_ROWS if self.lm_head_proj.amx else sys.maxsize))
             elif not self.lm_head_screens and unquantized_head and ops.int8_gemv_available():
                 # (under int8 and int4 `lm_head_proj` reads this same copy at these rows)
-                q, scale = quantize_int8(self.lm_head)
+                q, scale = int8_head()
                 gemv = (q, scale.float(), q.sum(dim=1, dtype=torch.int32))
                 self.lm_head_screens.append(_Screen(
                     lambda x: torch.ops.shoal.int8_gemv(x, *gemv), self.INT8_REFINE_TOP_K,

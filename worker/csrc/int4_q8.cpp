@@ -162,8 +162,8 @@ constexpr int64_t kQ8PrefetchGroups = 2;
 // On AVX2, a thread runs its groups over this many rows at a time, so that their int8 inputs
 // (36 KB at K = 576) stay near while its weights pass, instead of every group streaming all of a
 // prompt's inputs from L3 (1.2 MB at 2,048 rows). A [3072, 576] weight at 2,048 rows on both
-// cores of a Zen 3, in a standalone harness: 43-50 -> 38-39 ms (16 and 256 rows a chunk no
-// better); SmolLM2's 120 projections at 2,048 rows in separate processes, in turns: 2,620-2,722
+// cores of a Zen 3, in a standalone harness: 43.2-50.4 -> 37.8-38.9 ms (16 and 256 rows a chunk
+// no better); SmolLM2's 120 projections at 2,048 rows in separate processes, in turns: 2,620-2,722
 // -> 2,421-2,629 ms (docs/benchmarks.md, session 51).
 constexpr int64_t kQ8ChunkRows = 64;
 
