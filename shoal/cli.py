@@ -436,6 +436,20 @@ def build_parser() -> argparse.ArgumentParser:
                                          "device, with achieved memory bandwidth")
     bk.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     bk.add_argument("--output", default="bench-results/kernels.json")
+    bg = bsub.add_parser("gateway", help="the gateway alone: its CPU per streamed token, W64 "
+                                         "from a scheduler stand-in (no engine)")
+    bg.add_argument("--model", default=None,
+                    help="GGUF file or model directory the gateway tokenizes for (default: "
+                         "SmolLM2)")
+    bg.add_argument("--rounds", type=_positive_int, default=5, help="measured runs of W64")
+    bg.add_argument("--token-interval-ms", type=_positive_float, default=16.0,
+                    help="the stand-in's time between two tokens of a request (W64's decode "
+                         "iterations on a 2-core Zen 5: 15 ms)")
+    bg.add_argument("--vocab-size", type=_positive_int, default=49152,
+                    help="token ids of the prompts are below this (the model's vocabulary)")
+    bg.add_argument("--quick", action="store_true", help="W64-quick (figures not meaningful)")
+    bg.add_argument("--seed", type=int, default=0)
+    bg.add_argument("--output", default="bench-results/gateway.json")
     bsch = bsub.add_parser("scheduler", help="the scheduler alone against simulated workers: "
                                              "cost of one plan by fleet and pool size")
     bsch.add_argument("--workers", default="1,4,16,64,256", help="fleet sizes, comma-separated")
@@ -647,6 +661,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from worker.kernel_bench import run_kernel_bench
 
         run_kernel_bench(args.output, DTYPES[args.dtype])
+        return 0
+    if args.bench == "gateway":
+        from gateway.bench import run_gateway_bench
+
+        try:
+            run_gateway_bench(args.rounds, args.token_interval_ms / 1e3, args.output, args.quick,
+                              args.seed, args.model, args.vocab_size)
+        except (RuntimeError, FileNotFoundError) as e:  # a process that failed; no redis-server
+            raise CLIError(str(e)) from e
         return 0
     if args.bench == "scheduler":
         from scheduler.bench import run_scheduler_bench

@@ -183,3 +183,21 @@ def test_the_command_asks_for_the_model_it_is_given(synthetic_url, tmp_path):
         assert main(args) == 0
         assert BODIES and all(b.get("model") == model for b in BODIES)
         assert json.loads((tmp_path / "serve.json").read_text())["model"] == model
+
+
+def test_bench_gateway_streams_every_token_of_the_workload_through_a_real_gateway(tmp_path):
+    """`shoal bench gateway --quick`: a real gateway and Redis, tokens from the scheduler
+    stand-in; every request of every run ends with exactly its max_tokens (the usage of the
+    stand-in's last event, which it sends after that many tokens), and the gateway's and the
+    client's CPU per token are measured and written."""
+    from shoal.cli import main
+
+    out = tmp_path / "gateway.json"
+    assert main(["bench", "gateway", "--quick", "--rounds", "2", "--token-interval-ms", "5",
+                 "--output", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    expected = sum(r.max_tokens for r in make_requests(W64_QUICK, 49152, 0))
+    assert [r["generated_tokens"] for r in figures["runs"]] == [expected, expected]
+    for run in figures["runs"]:
+        assert run["cpu_seconds"]["gateway"] > 0 and run["cpu_seconds"]["client"] > 0
+    assert figures["gateway_cpu_us_per_token"] > 0
