@@ -438,8 +438,10 @@ def test_q4_linear_gives_dp_linears_bits_from_4_bit_levels(out_features, in_feat
     """shoal::q4_linear rebuilds the bfloat16 weight from GGUF's 4-bit levels in registers and
     must return dp_linear's result over that weight to the bit (so serving from the levels
     changes no logit), plain and SwiGLU, for row counts that fill and leave partial tiles (32
-    and 128 channels: 2 and 8 blocks, 2 outside the 6-block tiles of 1-2 rows); the values are
-    also checked against float32 math, so a layout error shared by both cannot pass."""
+    and 128 channels: 2 and 8 blocks, 2 outside the 6-block tiles of 1-2 rows), and past 8 rows,
+    where each tile's weights are rebuilt into a scratch for dp_linear's tiles (300 rows of 576
+    inputs: two passes of rows, each rebuilding them); the values are also checked against
+    float32 math, so a layout error shared by both cannot pass."""
     g = torch.Generator().manual_seed(70 + in_features)
     levels, scale_min = random_q4_levels(out_features, in_features, g, q4_0)
     w = q4_weight(levels, scale_min, torch.bfloat16)
@@ -448,7 +450,7 @@ def test_q4_linear_gives_dp_linears_bits_from_4_bit_levels(out_features, in_feat
     silu_levels = pack_q4_pairs(swiglu_interleave(levels),
                                 swiglu_interleave(scale_min.flatten(1)).view(scale_min.shape))
     silu_pairs = torch.ops.shoal.pack_weight_pairs(swiglu_interleave(w))
-    for rows in (1, 2, 3, 4, 5, 7, 9):
+    for rows in (1, 2, 3, 4, 5, 7, 9, 16, 41, 300):
         x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
         y = torch.ops.shoal.q4_linear(x, packed, False)
         assert torch.equal(y.view(torch.int16), torch.ops.shoal.dp_linear(x, pairs).view(torch.int16))

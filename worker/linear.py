@@ -101,7 +101,10 @@ for the number of rows an iteration brings.
   the same output bits, so nothing a client sees changes, from 67 MB a decode step instead of
   213. The Linear checks at start-up that the levels give back its weight bit for bit (0.4 s
   for SmolLM2) and otherwise serves without them. Decoding costs more than the dot products,
-  so the kernel is bound by it, not by memory, and loses past 8 rows (table at Q4_MAX_ROWS);
+  so the kernel is bound by it, not by memory; past 8 rows it decodes each tile of weights once
+  per pass of rows into a scratch that dp_linear's tiles read, and loses past 16 rows (table at
+  Q4_MAX_ROWS; decode at batch 10 / 12 / 16 1,046-1,062 / 1,231-1,295 / 1,588-1,593 ->
+  1,333-1,356 / 1,467-1,502 / 1,645-1,679 tokens/s on a 2-core Zen 5, session 52);
   single-stream decode 77-90 -> 122-133 tokens/s (2-core Zen 4, docs/benchmarks.md session 21).
   Where the engine serves float32, `shoal::q4_lanes_linear` does the same beside `f32_linear`
   (its chains and order, float32 weights d q + m: f32_linear's bits): a decode step reads 67 MB
@@ -244,8 +247,12 @@ DP_MAX_ROWS = sys.maxsize
 # 7.6; 8 rows 11.5 / 9.1; 9 rows (two tiles) 11.9 / 11.7; 12 rows 13.2 / 14.4. Since each tile
 # asks for the next one's levels ahead (session 27, 2-core Zen 5, dp_linear / q4_linear): 1 row
 # 3.95 / 2.53, 4 rows 4.20 / 3.12, 8 rows 5.01 / 4.17, 10 rows (two tiles) 5.50 / 5.93, 16 rows
-# 5.35 / 7.27.
-Q4_MAX_ROWS = 8
+# 5.35 / 7.27. Past 8 rows q4_linear now rebuilds each tile's weights once per pass of rows and
+# runs dp_linear's tiles on them (session 52, 2-core Zen 5, in turns in one process, dp_linear /
+# q4_linear): 9 rows 5.92-6.35 / 4.66-4.72, 12 rows 5.71-5.89 / 4.60-4.70, 14 rows 5.84-6.23 /
+# 5.18-5.39, 16 rows 5.46-5.94 / 5.36-5.59, 24 rows 6.13-6.41 / 7.04-7.22, 64 rows 14.5-15.1 /
+# 15.4-15.8, 2,048 rows 431-442 / 450.
+Q4_MAX_ROWS = 16
 # shoal::q4_lanes_linear (float32 serving, f32_linear's bits) rebuilds each weight from the
 # levels once per few rows, and past those (worker/csrc/lanes.cpp) once an iteration into a
 # thread's buffer, f32_linear's tiles running over it. Its rows direct, against f32_linear, all

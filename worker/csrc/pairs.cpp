@@ -398,9 +398,10 @@ struct DequantStore {
   }
 };
 
-// MR rows from r of x against blocks [nb, nb + NR) of the weights. While the step loop runs it
-// also asks for `pf_lines` 64-byte lines from `pf` (a slice of the next tile's weights) into L1,
-// one every steps / pf_lines steps, so the requests spread over the tile's compute.
+// MR rows from r of x against blocks [nb, nb + NR) of the weights, which lie from `w` on (block
+// nb's first vector). While the step loop runs it also asks for `pf_lines` 64-byte lines from
+// `pf` (a slice of the next tile's weights) into L1, one every steps / pf_lines steps, so the
+// requests spread over the tile's compute.
 template <class Op, int64_t MR, int64_t NR, class Store>
 inline void dp_linear_tile(const char* x, const char* w, int64_t row_bytes, int64_t r, int64_t nb,
                            const char* pf, int64_t pf_lines, const Store& store) {
@@ -412,7 +413,7 @@ inline void dp_linear_tile(const char* x, const char* w, int64_t row_bytes, int6
   int64_t due = 0;
   for (int64_t p = 0; p < steps; ++p) {
     typename Op::Vec wv[NR];
-    for (int64_t j = 0; j < NR; ++j) wv[j] = Op::load(w + ((nb + j) * steps + p) * 64);
+    for (int64_t j = 0; j < NR; ++j) wv[j] = Op::load(w + (j * steps + p) * 64);
     prefetch_step<3>(pf, due, pf_lines, steps);
     for (int64_t i = 0; i < MR; ++i) {
       const typename Op::Vec xg = Op::group(xr + i * row_bytes + 4 * p);
@@ -439,16 +440,17 @@ inline void dp_linear_tail(int64_t rem, const char* x, const char* w, int64_t ro
 // noise; into L1 (prefetcht0) 2-5% ahead of L2.
 constexpr int64_t kDpPrefetchSpread = 8;
 
-// Rows [r0, r1) of x against blocks [nb, nb + NR): MR rows at a time, the weights (NR x 16 x
-// row_bytes, 55 KB for bfloat16, K = 576 and NR = 3) staying in L1/L2 while the rows pass.
-// Meanwhile the next tile's weights (`next`, or none) are prefetched, spread over the first
+// Rows [r0, r1) of x against blocks [nb, nb + NR) (their weights from `w` on): MR rows at a
+// time, the weights (NR x 16 x row_bytes, 55 KB for bfloat16, K = 576 and NR = 3) staying in
+// L1/L2 while the rows pass. Meanwhile the `next_lines` 64-byte lines of the next tile's
+// weights from `next` (none where null) are prefetched, spread over the first
 // kDpPrefetchSpread row tiles (the hardware prefetcher alone left 64-row iterations 10% slower).
 template <class Op, int64_t MR, int64_t NR, class Store>
 void dp_linear_rows(const char* x, const char* w, int64_t row_bytes, int64_t r0, int64_t r1,
-                    int64_t nb, const char* next, const Store& store) {
+                    int64_t nb, const char* next, int64_t next_lines, const Store& store) {
   const int64_t tiles = (r1 - r0 + MR - 1) / MR;
   const int64_t spread = std::min(tiles, kDpPrefetchSpread);
-  const int64_t lines = next != nullptr ? NR * row_bytes / 4 : 0;  // 64 bytes per step of a block
+  const int64_t lines = next != nullptr ? next_lines : 0;
   const char* pf = next;
   // Row tile t asks for lines [t * lines / spread, (t + 1) * lines / spread).
   auto slice = [&](int64_t t) { return t < spread ? share(lines, spread, t) : 0; };
@@ -466,8 +468,21 @@ constexpr int64_t kDpRowBytes = 256 << 10;
 // Work items per thread in each pass (see dp_linear_run).
 constexpr int64_t kDpItemsPerThread = 4;
 
+// Where dp_linear's tiles find their weights. PackedTiles: packed in memory, each 16-channel
+// block `block_bytes` long (its steps' 64-byte vectors in order). `tile(nb, nr)` is the first
+// vector of blocks [nb, nb + nr) made ready for a pass of rows; `source(nb)` and `lines(nr)` what
+// to ask for ahead of such a tile (its bytes in memory from block nb on, in 64-byte lines).
+struct PackedTiles {
+  const char* w;
+  int64_t block_bytes;
+  const char* tile(int64_t nb, int64_t) const { return source(nb); }
+  const char* source(int64_t nb) const { return w + nb * block_bytes; }
+  int64_t lines(int64_t nr) const { return nr * block_bytes / 64; }
+};
+
 // y = x W^T over `blocks` 16-channel output blocks, NR blocks to a tile, written by `store`;
-// x is `m` rows of `row_bytes`, and a block of the weights 16 x row_bytes.
+// x is `m` rows of `row_bytes`, a block of the weights 16 x row_bytes, its tiles from `tiles`
+// (PackedTiles, Q4Tiles).
 // The work is cut into items (a pass of rows x a group of tiles) that the threads take one at a
 // time: on a machine whose cores the gateway, the scheduler and Redis also need, the thread that
 // another process preempts holds back only its current items, where an even split up front made
@@ -477,16 +492,15 @@ constexpr int64_t kDpItemsPerThread = 4;
 // tiles otherwise began with a cold read from DRAM (A/B in one process, SmolLM2's 120
 // projections, 2-core Zen 5: 16 rows 5.87 -> 4.97 ms, 32 rows 8.98 -> 7.72, 64 rows 15.4 -> 14.2,
 // 128 rows 29.1 -> 27.9; as fast as contiguous halves per thread).
-template <class Op, int64_t MR, int64_t NR, class Store>
-void dp_linear_run(const char* x, const char* w, int64_t m, int64_t row_bytes, int64_t blocks,
-                   const Store& store) {
+template <class Op, int64_t MR, int64_t NR, class Store, class Tiles>
+void dp_linear_tiles_run(const char* x, const Tiles& tiles, int64_t m, int64_t row_bytes,
+                         int64_t blocks, const Store& store) {
   const int64_t threads = at::get_num_threads();
-  const int64_t block_bytes = 16 * row_bytes;
   const int64_t rows = std::max<int64_t>(MR, kDpRowBytes / row_bytes / MR * MR);
   const int64_t passes = (m + rows - 1) / rows;
-  const int64_t tiles = (blocks + NR - 1) / NR;
-  const int64_t per_group = std::max<int64_t>(1, tiles / (threads * kDpItemsPerThread));
-  const int64_t groups = (tiles + per_group - 1) / per_group;
+  const int64_t ntiles = (blocks + NR - 1) / NR;
+  const int64_t per_group = std::max<int64_t>(1, ntiles / (threads * kDpItemsPerThread));
+  const int64_t groups = (ntiles + per_group - 1) / per_group;
   const int64_t items = passes * groups;
   auto first_block = [&](int64_t item) { return item % groups * per_group * NR; };
   // Item `item`; `after` is the weights of the item this thread runs next (or null).
@@ -495,20 +509,32 @@ void dp_linear_run(const char* x, const char* w, int64_t m, int64_t row_bytes, i
     const int64_t b0 = first_block(item), b1 = std::min(blocks, b0 + per_group * NR);
     int64_t nb = b0;
     for (; nb + NR <= b1; nb += NR)
-      dp_linear_rows<Op, MR, NR>(x, w, row_bytes, r0, r1, nb,
-                                 nb + NR < b1 ? w + (nb + NR) * block_bytes : after, store);
+      dp_linear_rows<Op, MR, NR>(x, tiles.tile(nb, NR), row_bytes, r0, r1, nb,
+                                 nb + NR < b1 ? tiles.source(nb + NR) : after, tiles.lines(NR),
+                                 store);
     // The last blocks when NR does not divide them. N is a multiple of 32, so the blocks are
     // even: with an even NR (gate/up pairs) the rest is 2 blocks, never 1.
     if constexpr (NR > 2) {
-      if (b1 - nb == 2) dp_linear_rows<Op, MR, 2>(x, w, row_bytes, r0, r1, nb, nullptr, store);
+      if (b1 - nb == 2)
+        dp_linear_rows<Op, MR, 2>(x, tiles.tile(nb, 2), row_bytes, r0, r1, nb, nullptr, 0,
+                                  store);
     }
     if constexpr (NR % 2 == 1) {
-      if (b1 - nb == 1) dp_linear_rows<Op, MR, 1>(x, w, row_bytes, r0, r1, nb, nullptr, store);
+      if (b1 - nb == 1)
+        dp_linear_rows<Op, MR, 1>(x, tiles.tile(nb, 1), row_bytes, r0, r1, nb, nullptr, 0,
+                                  store);
     }
   };
   run_items(items, threads, [&](int64_t item, int64_t next) {
-    run(item, next < items ? w + first_block(next) * block_bytes : nullptr);
+    run(item, next < items ? tiles.source(first_block(next)) : nullptr);
   });
+}
+
+// dp_linear_tiles_run over weights packed in memory at `w`.
+template <class Op, int64_t MR, int64_t NR, class Store>
+void dp_linear_run(const char* x, const char* w, int64_t m, int64_t row_bytes, int64_t blocks,
+                   const Store& store) {
+  dp_linear_tiles_run<Op, MR, NR>(x, PackedTiles{w, 16 * row_bytes}, m, row_bytes, blocks, store);
 }
 
 inline const char* bytes(const Tensor& t) { return static_cast<const char*>(t.data_ptr()); }
@@ -589,7 +615,8 @@ inline Q4Scales q4_scales(const char* group) {
 // rebuild bounds the kernel: SmolLM2's 120 projections out of cache at 1 / 4 / 16 / 32 rows, 2-core
 // Xeon with AMX, in turns in one process (medians of 16, two rounds): 8.02 / 8.28 / 8.24 / 9.80
 // -> 7.47 / 7.70 / 7.60 / 8.83 ms and 9.80 / 9.76 / 9.11 / 14.69 -> 9.55 / 9.42 / 8.78 / 14.56.
-// q4_linear keeps the conversions: it serves AMD cores (no AMX), where the table was not measured.
+// q4_linear's own tiles (up to kQ4Rows rows) keep the conversions (not measured there); its
+// rebuild past that (Q4Tiles) takes the table.
 template <bool Table = false>
 inline __m512bh q4_step(const char* step, const Q4Scales& g) {
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(step)));
@@ -606,6 +633,43 @@ inline __m512bh q4_step(const char* step, const Q4Scales& g) {
   const __m512 hi = _mm512_fmadd_ps(q_hi, g.d_hi, g.m_hi);
   return _mm512_cvtne2ps_pbh(hi, lo);  // words 0-15 from lo, 16-31 from hi
 }
+
+// Past kQ4Rows rows q4_linear runs dp_linear's tiles, their weights rebuilt from the levels:
+// each tile's blocks (q4_step: the vectors pack_weight_pairs holds) into the thread's scratch
+// once for each pass of rows, which the pass's row tiles then read from L1/L2. dp_linear's bits
+// from the levels alone, each weight decoded once a pass instead of once a row tile (two 8-row
+// tiles decoding their own: 16 rows 7.27 ms against dp_linear's 5.35, session 27). SmolLM2's
+// 120 projections on a 2-core Zen 5, in turns: 9 / 12 / 16 rows 4.7 / 4.6 / 5.4-5.6 ms against
+// dp_linear's 5.9-6.4 / 5.7-5.9 / 5.5-5.9, 2,048 rows 450 against 431-442 (Q4_MAX_ROWS in
+// worker/linear.py keeps it to 16 rows). The levels' float lookup (Table) measured 2,048 rows
+// 470 -> 450 ms against the conversions.
+struct Q4Tiles {
+  const char* levels;         // packed by pack_q4_pairs
+  int64_t level_block_bytes;  // a 16-channel block's levels: K / 32 groups of kQ4GroupBytes
+  int64_t steps;              // K / 2: the 64-byte vectors of a block
+  const char* tile(int64_t nb, int64_t nr) const {
+    thread_local std::unique_ptr<char, decltype(&std::free)> scratch{nullptr, &std::free};
+    thread_local int64_t capacity = 0;
+    if (nr * steps * 64 > capacity) {
+      capacity = nr * steps * 64;
+      scratch.reset(static_cast<char*>(std::aligned_alloc(64, capacity)));
+    }
+    char* out = scratch.get();
+    for (int64_t j = 0; j < nr; ++j) {
+      const char* block = source(nb + j);
+      for (int64_t g = 0; g < steps / 16; ++g) {
+        const char* group = block + g * kQ4GroupBytes;
+        const Q4Scales sc = q4_scales(group);
+        for (int64_t s = 0; s < 16; ++s)
+          _mm512_store_si512(out + (j * steps + 16 * g + s) * 64,
+                             (__m512i)q4_step<true>(group + 64 + 16 * s, sc));
+      }
+    }
+    return out;
+  }
+  const char* source(int64_t nb) const { return levels + nb * level_block_bytes; }
+  int64_t lines(int64_t nr) const { return nr * level_block_bytes / 64; }
+};
 
 // MR rows from r of x (`row_bytes` = 2 K bytes each) against blocks [nb, nb + NR). Meanwhile
 // `pf_lines` 64-byte lines from `pf` (the levels of the thread's next tile) are asked for into
@@ -716,11 +780,23 @@ std::tuple<Tensor, int64_t> q4_linear_input(const Tensor& x_in, const Tensor& pa
 // y = x W^T for x `[M, K]` bfloat16 against `packed` `[N / 16, K / 32, kQ4GroupBytes]` uint8
 // (pack_q4_pairs); returns `[M, N]` bfloat16, or with `silu_and_mul` (gate and up blocks
 // interleaved, as for dp_linear_silu) `[M, N / 2]` silu(gate) * up: what dp_linear and
-// dp_linear_silu return for the bfloat16 weight the levels stand for, bit for bit.
+// dp_linear_silu return for the bfloat16 weight the levels stand for, bit for bit. Up to kQ4Rows
+// rows in q4_linear's tiles, past that in dp_linear's over weights rebuilt a tile at a time
+// (Q4Tiles).
 Tensor q4_linear(const Tensor& x_in, const Tensor& packed, bool silu_and_mul) {
   const auto [x, n] = q4_linear_input(x_in, packed);
   const int64_t m = x.size(0), k = x.size(1);
   Tensor y = at::empty({m, silu_and_mul ? n / 2 : n}, x.options());
+  if (m > kQ4Rows) {
+    const Q4Tiles tiles{bytes(packed), k / 32 * kQ4GroupBytes, k / 2};
+    if (silu_and_mul)
+      dp_linear_tiles_run<Bf16Pairs, kDpSiluRows, kDpSiluBlocks>(
+          bytes(x), tiles, m, 2 * k, n / 16, DpSiluStore{ptr<uint16_t>(y), n / 2});
+    else
+      dp_linear_tiles_run<Bf16Pairs, kDpRows, kDpBlocks>(bytes(x), tiles, m, 2 * k, n / 16,
+                                                         DpStore{ptr<uint16_t>(y), n});
+    return y;
+  }
   auto run = [&](const auto& store) {
     if (m <= kQ4FewRows)
       q4_linear_run<kQ4FewRows, kQ4FewBlocks>(bytes(x), bytes(packed), m, 2 * k, n / 16, store);
