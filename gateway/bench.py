@@ -28,13 +28,14 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
 import redis
 
 from shoal.bench_serve import run_client, run_sweep
-from shoal.fleet import free_port, shoal_command, start_redis, stop_all
+from shoal.fleet import free_port, shoal_command, start_redis, stop_all, wait_ready
 from shoal.keys import Keys
 from shoal.messages import RequestSubmission, TokenEvent, TokenEvents, decode, encode
 from shoal.workloads import W64, W64_QUICK, make_requests
@@ -131,8 +132,12 @@ def run_gateway_bench(rounds: int, token_interval_s: float, output: str, quick: 
         procs["gateway"] = subprocess.Popen(shoal_command(
             "gateway", "--redis-url", redis_url, "--host", "127.0.0.1", "--port", str(port),
             *(["--model", model] if model else [])), stdout=subprocess.DEVNULL)
+        # A completion of one token rather than /readyz, which wants an alive worker.
+        probe = urllib.request.Request(
+            f"{url}/v1/completions", json.dumps({"prompt": [1, 2, 3], "max_tokens": 1}).encode(),
+            {"Content-Type": "application/json"})
         with console.status("starting a gateway"):
-            _wait_taking_requests(url, list(procs.values()))
+            wait_ready(url, list(procs.values()), 60, probe)
         with console.status("warming up"):
             _check(run_client(run_sweep(url, warmup, "all", [], [], seed, progress=False))[0])
         runs = []
@@ -167,34 +172,6 @@ def run_gateway_bench(rounds: int, token_interval_s: float, output: str, quick: 
     out.write_text(json.dumps(figures, indent=2))
     console.print(f"figures written to {out}")
     return figures
-
-
-def _wait_taking_requests(url: str, procs: list[subprocess.Popen], timeout_s: float = 60.0
-                            ) -> None:
-    """Wait until the gateway takes requests: its /readyz wants an alive worker, which this
-    benchmark has none of, so a completion of one token must come back instead.
-
-    Raises:
-        RuntimeError: a process exited, or no answer within `timeout_s`.
-    """
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 1}).encode()
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"a process exited with status {p.returncode}: {p.args}")
-        try:
-            req = urllib.request.Request(f"{url}/v1/completions", body,
-                                         {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"the gateway took no request within {timeout_s:.0f} s")
 
 
 def _check(run: dict) -> dict:

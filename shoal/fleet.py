@@ -102,14 +102,22 @@ def worker_env(threads: int | None) -> dict[str, str]:
     return env
 
 
-def wait_ready(url: str, procs: list[subprocess.Popen], timeout_s: float) -> None:
+def wait_ready(url: str, procs: list[subprocess.Popen], timeout_s: float,
+               probe: urllib.request.Request | None = None) -> None:
+    """Wait until the gateway at `url` answers `probe` (default: GET /readyz, which wants an
+    alive worker for every model) with 200.
+
+    Raises:
+        RuntimeError: one of `procs` exited, or no 200 within `timeout_s` seconds.
+    """
+    probe = probe or urllib.request.Request(f"{url}/readyz")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for p in procs:
             if p.poll() is not None:
                 raise RuntimeError(f"a fleet process exited with status {p.returncode}: {p.args}")
         try:
-            with urllib.request.urlopen(f"{url}/readyz", timeout=1) as r:
+            with urllib.request.urlopen(probe, timeout=1) as r:
                 if r.status == 200:
                     return
         except OSError:
