@@ -29,12 +29,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import psutil
 import redis
 
 from shoal.bench_serve import run_client, run_sweep
+from shoal.figures import write_figures
 from shoal.fleet import free_port, shoal_command, start_redis, stop_all, wait_ready
 from shoal.keys import Keys
 from shoal.messages import RequestSubmission, TokenEvent, TokenEvents, decode, encode
@@ -167,10 +167,7 @@ def run_gateway_bench(rounds: int, token_interval_s: float, output: str, quick: 
     table.add_row("median", "", "", "", "", "", "", f"{figures['gateway_cpu_us_per_token']:.1f}",
                   f"{figures['client_cpu_us_per_token']:.1f}")
     console.print(table)
-    out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(figures, indent=2))
-    console.print(f"figures written to {out}")
+    console.print(f"figures written to {write_figures(figures, output)}")
     return figures
 
 

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from scheduler.core import Scheduler
+from shoal.figures import write_figures
 from shoal.messages import IterationResult, RequestSubmission, TokenOutput, WorkerInfo
 from shoal.sampling_params import SamplingParams
 
@@ -119,9 +120,6 @@ def simulate(num_workers: int, num_requests: int, max_plans: int = 3000, prompt_
 
 def run_scheduler_bench(workers: list[int], requests: list[int], max_plans: int, output: str) -> list[dict]:
     """Every combination; prints a table and writes the figures as JSON to `output`."""
-    import json
-    from pathlib import Path
-
     from rich.console import Console
     from rich.table import Table
 
@@ -142,8 +140,5 @@ def run_scheduler_bench(workers: list[int], requests: list[int], max_plans: int,
                       f"{r['us_per_plan_p99']:.0f}", f"{r['plans_per_s']:.0f}",
                       f"{r['simulated_tokens_per_s']:.0f}")
     console.print(table)
-    out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=2))
-    console.print(f"figures written to {out}")
+    console.print(f"figures written to {write_figures(rows, output)}")
     return rows

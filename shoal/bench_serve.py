@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from shoal.figures import write_figures
 from shoal.workloads import (
     ORCA,
     W64,
@@ -277,9 +278,7 @@ def write_outputs(figures: dict, output: str, compare: list[str] = ()) -> list[P
     Raises:
         OSError, ValueError: a `compare` file cannot be read.
     """
-    out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(figures, indent=2))
+    out = write_figures(figures, output)
     import matplotlib
 
     matplotlib.use("Agg")

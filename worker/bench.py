@@ -14,7 +14,6 @@ one token per iteration and as one prompt (worker/perplexity.py).
 
 from __future__ import annotations
 
-import json
 import resource
 import statistics
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from shoal.figures import write_figures
 from shoal.messages import IterationPlan, NewRequest
 from shoal.model_files import load_transformers_model
 from shoal.sampling_params import SamplingParams
@@ -372,10 +372,7 @@ def run_engine_bench(path: Path, engine: Engine, load_s: float, quick: bool, bas
         "prefill_tokens_per_s": prefill,
         "model_load_seconds": load_s, "peak_rss_bytes": peak_rss,
     }
-    out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(figures, indent=2))
-    console.print(f"figures written to {out}")
+    console.print(f"figures written to {write_figures(figures, output)}")
     return figures
 
 
@@ -424,8 +421,5 @@ def run_infinite_bench(path: Path, cfg, tokens: int, windows: list[int], output:
     console.print(table)
     figures = {"tokens": tokens, "dtype": str(cfg.dtype).removeprefix("torch."),
                "plain": {"window": plain_window, "tokens_per_s": plain}, "overflow": rows}
-    out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(figures, indent=2))
-    console.print(f"figures written to {out}")
+    console.print(f"figures written to {write_figures(figures, output)}")
     return figures
