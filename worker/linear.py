@@ -225,7 +225,10 @@ LANES_MAX_ROWS = {"int8": 32, "int4": 16, "w8a8": W8A8_MIN_ROWS - 1, "none": 128
 # logprobs or more than the default 256 sequences a step, so it takes the same limit.)
 F32_LANES_AVX2_MAX_ROWS = 1024
 # shoal::int4_q8_linear beats float32 oneDNN (AVX2-only CPUs) and bfloat16 dp_linear (AVX-512
-# VNNI) at every size measured (tables above).
+# VNNI) at every size measured (tables above). On a 2-core Zen 5, whose vdpbf16ps runs at twice
+# a Zen 4's rate, SmolLM2's 120 projections at 16 / 64 / 128 / 2,048 rows: 6.15-6.45 / 15.9-16.1
+# / 27.5 / 420-432 ms against the unquantized path's 5.63-6.15 / 15.5-15.8 / 29.4 / 450-459
+# (docs/benchmarks.md, session 52): about even at a few dozen rows, ahead past them.
 INT4_Q8_MAX_ROWS = sys.maxsize
 AMX_MAX_ROWS = 1024  # shoal::amx_linear beats oneDNN up to here (table above; 2,048 rows: not)
 # ... but with SwiGLU's product from its accumulators it beats oneDNN followed by silu_and_mul
