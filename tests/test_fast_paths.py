@@ -15,6 +15,7 @@ from tests.conftest import make_engine, random_q4_levels, random_weights, tiny_c
 from worker import cpu_ops, ops
 from worker.config import EngineConfig
 from worker.engine import Engine
+from worker.linear import Q4_LANES_MAX_ROWS
 from worker.loader import Q4_LEVELS, Q4_SCALE_MIN, load_model
 from worker.offline import generate
 from worker.perplexity import (
@@ -56,11 +57,11 @@ def _run(model, tokenizer, **kw):
 @pytest.mark.skipif(not cpu_ops.load(), reason="the C++ kernels did not build here")
 def test_fast_paths_give_the_reference_tokens_in_float32(fp32_model, tokenizer):
     if ops.lanes_linear_available():  # decode rows then run shoal::q4_lanes_linear from the
-        # file's 4-bit levels, up to 64 rows with AVX-512 and 1,024 with AVX2, and no float32 lanes
-        # copy is kept (worker/linear.py)
+        # file's 4-bit levels, up to 256 rows with AVX-512 and 1,024 with AVX2, and no float32
+        # lanes copy is kept (worker/linear.py)
         gate_up = make_engine(fp32_model).model.layers[0].gate_up
         assert gate_up.q4_lanes and gate_up.lanes is None
-        assert gate_up.q4_max_rows == (64 if ops.lanes_avx512() else 1024)
+        assert gate_up.q4_max_rows == Q4_LANES_MAX_ROWS["avx512" if ops.lanes_avx512() else "avx2"]
     fast = _run(fp32_model, tokenizer, max_num_batched_tokens=256)
     reference = _run(fp32_model, tokenizer, max_num_batched_tokens=256, fast_paths=False)
     assert all(len(t) == 24 for t in fast.values())

@@ -111,7 +111,7 @@ for the number of rows an iteration brings.
   instead of 425; single-stream decode 40-63 -> 103-113 tokens/s with `--dtype float32` on the
   Zen 4. Past a few rows it rebuilds each weight once an iteration into a buffer and runs
   f32_linear's tiles over it (the same bits), which beats f32_linear and oneDNN up to
-  `Q4_LANES_MAX_ROWS` rows (64 with AVX-512, 1,024 with AVX2): there the levels and oneDNN's
+  `Q4_LANES_MAX_ROWS` rows (256 with AVX-512, 1,024 with AVX2): there the levels and oneDNN's
   copy serve every iteration, and the float32 lanes copy is not kept.
   On AMX CPUs, where amx_linear serves and its tiles sum in another order than dp_linear's
   `vdpbf16ps` (about one output in 2,000 differs by a bfloat16 unit), `shoal::q4_amx_linear`
@@ -265,7 +265,10 @@ Q4_MAX_ROWS = 16
 # beside the levels (0.4 GB for SmolLM2) and oneDNN serves larger iterations. All 120
 # projections, ms, levels / f32_linear / oneDNN, medians in turns. AVX-512, a 2-core Xeon without
 # AMX (session 49): 32 rows 38.2 / 43.9 / 47.8, 64 rows 68.4 / 74.3 / 79.2, 96 rows 100.4 / 93.1
-# / 98.9, 128 rows 129.2 / 119.0 / 118.0. AVX2, a 2-core Zen 3 (session 50): 1 row 8.9 / 17.3 /
+# / 98.9, 128 rows 129.2 / 119.0 / 118.0; since f32_item's tiles keep a block of the weights in
+# L1 (session 53, the same kind of host), levels / oneDNN 64 rows 51.1 / 70.1, 96 rows 72.2 /
+# 87.7, 128 rows 95.7 / 111.2, 192 rows 138.7 / 150.1, 256 rows 183.3 / 192.1, 512 rows 363.2 /
+# 359.0, 1,024 rows 760.3 / 715.5, 2,048 rows 1,619.9 / 1,439.6. AVX2, a 2-core Zen 3 (session 50): 1 row 8.9 / 17.3 /
 # 25.7, 16 rows 29.3 / 34.0 / 45.9, 64 rows 87.6 / 90.8 / 119.1, 128 rows 166.0 / 166.7 /
 # 196.7, 256 rows 367.2 / 326.8 / 391.9, 512 rows 653.0 / 672.9 / 705.1, 1,024 rows 1,321.6 /
 # 1,353.5 / 1,420.5, 2,048 rows 3,083.0 / 3,036.2 / 2,961.1: there the levels take iterations of
@@ -274,7 +277,7 @@ Q4_MAX_ROWS = 16
 # 1.065 / 0.998x).
 # (torch's F.linear, MKL's sgemm, beat oneDNN's copy from 1,536 rows alone, 2,664.9 ms at 2,048,
 # but not in the engine: prefill of 2,048 rows 0.964x, 12 pairs; not kept.)
-Q4_LANES_MAX_ROWS = {"avx512": 64, "avx2": F32_LANES_AVX2_MAX_ROWS}
+Q4_LANES_MAX_ROWS = {"avx512": 256, "avx2": F32_LANES_AVX2_MAX_ROWS}
 # shoal::q4_amx_linear (the levels on AMX tiles, amx_linear's bits) beats amx_linear up to here:
 # all 120 SmolLM2 projections, 2-core Xeon with AMX, ms (runs in turns in one process;
 # docs/benchmarks.md, session 25), amx_linear / q4_amx_linear: 1 row 10.8 / 8.5, 8 rows 14.0 / 9.3,

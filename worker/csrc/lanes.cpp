@@ -129,10 +129,12 @@ void q4_lanes_rows(const float* x, const uint8_t* w, float* y, int64_t k, int64_
 
 // q4_lanes_rows rebuilds each weight once per kLaneRows rows of x; past this many rows
 // q4_lanes_unpacked rebuilds it once an iteration. SmolLM2's 120 projections on a 2-core Xeon
-// without AMX (AVX-512), ms, medians of 7 in turns, q4_lanes_rows / q4_lanes_unpacked: 8 rows
-// 12.4 / 15.6, 16 rows 22.3 / 23.1, 24 rows 32.1 / 33.0, 32 rows 44.5 / 39.9, 48 rows 64.7 /
-// 60.7, 64 rows 88.6 / 74.3 (docs/benchmarks.md, session 49).
-constexpr int64_t kQ4LanesDirectMaxRows = 24;
+// without AMX (AVX-512), ms, medians of 15, three rounds in turns, q4_lanes_rows /
+// q4_lanes_unpacked since f32_item's blocked tiles: 9 rows 14.7-14.9 / 15.8-17.9, 10 rows
+// 15.6-16.8 / 15.4-16.3, 12 rows 16.6-19.5 / 16.4-17.3, 14 rows 20.2-20.5 / 18.7-19.2, 16 rows
+// 21.3-24.1 / 19.6-20.0, 20 rows 25.8-26.4 / 22.9-23.1 (docs/benchmarks.md, session 53; with
+// lanes_rows' tiles the unpacked form caught up only at 24 rows, session 49).
+constexpr int64_t kQ4LanesDirectMaxRows = 12;
 
 #else
 // The AVX2 form of q4_lanes_rows. 16 ymm registers cannot hold its accumulators, the two
@@ -354,16 +356,62 @@ inline void f32_item(const float* x, const float* w, float* y, int64_t m, int64_
       });
 }
 #else
-// As above, with AVX-512's lanes_rows over a pair of groups (`w` `[2][k][16]`, y's 32 channels):
-// 32 accumulators hold 4 rows' two chains of both groups, each group's weights read once per 4
-// rows.
+// As above on AVX-512, over a pair of groups (`w` `[2][k][16]`, y's 32 channels): lanes_rows' two
+// chains a (row, group), inputs alternating between them, in tiles of kF32TileRows rows.
+// lanes_rows itself read the pair's weights (73 KB at K = 576, past a 48 KB L1) from L2 for every
+// 4 rows: 128 bytes per 8 FMAs. Here a thread keeps kF32BlockK inputs of the pair (32 KB) in L1
+// while every tile of rows passes over them, each tile's chains saved in the thread's buffer
+// between blocks: the same sums in the same order, so the same bits as lanes_rows.
+constexpr int64_t kF32TileRows = 6;  // 24 accumulators, 2 weight vectors and a broadcast x
+constexpr int64_t kF32BlockK = 256;
+
+// Rows [0, M) of the tile at x (rows k apart) times inputs [c0, c1) of the pair `w`, from the
+// chains saved at `part` ([M][2 chains][2 groups][16]; none when c0 is 0), which it saves again,
+// or (c1 = k) sums into y's 32 channels at `y` (rows n apart).
+template <int64_t M>
+inline void f32_tile(const float* x, const float* w, float* part, float* y, int64_t k, int64_t n,
+                     int64_t c0, int64_t c1) {
+  const float* w1 = w + k * 16;
+  __m512 acc[M][2][2];  // [row][chain][group]
+#pragma GCC unroll 8
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t p = 0; p < 2; ++p)
+      for (int64_t h = 0; h < 2; ++h)
+        acc[i][p][h] = c0 ? _mm512_loadu_ps(part + ((i * 2 + p) * 2 + h) * 16) : _mm512_setzero_ps();
+#pragma GCC unroll 2
+  for (int64_t c = c0; c < c1; c += 2) {
+#pragma GCC unroll 2
+    for (int64_t p = 0; p < 2; ++p) {
+      const __m512 a = _mm512_loadu_ps(w + (c + p) * 16), b = _mm512_loadu_ps(w1 + (c + p) * 16);
+#pragma GCC unroll 8
+      for (int64_t i = 0; i < M; ++i) {
+        const __m512 xv = _mm512_set1_ps(x[i * k + c + p]);
+        acc[i][p][0] = _mm512_fmadd_ps(a, xv, acc[i][p][0]);
+        acc[i][p][1] = _mm512_fmadd_ps(b, xv, acc[i][p][1]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t h = 0; h < 2; ++h) {
+      if (c1 == k)
+        _mm512_storeu_ps(y + i * n + 16 * h, _mm512_add_ps(acc[i][0][h], acc[i][1][h]));
+      else
+        for (int64_t p = 0; p < 2; ++p)
+          _mm512_storeu_ps(part + ((i * 2 + p) * 2 + h) * 16, acc[i][p][h]);
+    }
+}
+
 constexpr int64_t kF32ItemGroups = 2;
 inline void f32_item(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n) {
-  for (int64_t i0 = 0; i0 < m; i0 += kLaneRows)
-    with_row_count<kLaneRows>(std::min<int64_t>(m - i0, kLaneRows), [&](auto rows) {
-      lanes_rows<decltype(rows)::value>(x + i0 * k, w, static_cast<const float*>(nullptr),
-                                        y + i0 * n, k, n, 0);
-    });
+  thread_local std::vector<float> parts;
+  parts.resize(m * 64);
+  for (int64_t c0 = 0; c0 < k; c0 += kF32BlockK)
+    for (int64_t i0 = 0; i0 < m; i0 += kF32TileRows)
+      with_row_count<kF32TileRows>(std::min<int64_t>(m - i0, kF32TileRows), [&](auto rows) {
+        f32_tile<decltype(rows)::value>(x + i0 * k, w, parts.data() + i0 * 64, y + i0 * n, k, n,
+                                        c0, std::min<int64_t>(c0 + kF32BlockK, k));
+      });
 }
 #endif
 
