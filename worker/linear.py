@@ -268,7 +268,8 @@ Q4_MAX_ROWS = 16
 # / 98.9, 128 rows 129.2 / 119.0 / 118.0; since f32_item's tiles keep a block of the weights in
 # L1 (session 53, the same kind of host), levels / oneDNN 64 rows 51.1 / 70.1, 96 rows 72.2 /
 # 87.7, 128 rows 95.7 / 111.2, 192 rows 138.7 / 150.1, 256 rows 183.3 / 192.1, 512 rows 363.2 /
-# 359.0, 1,024 rows 760.3 / 715.5, 2,048 rows 1,619.9 / 1,439.6. AVX2, a 2-core Zen 3 (session 50): 1 row 8.9 / 17.3 /
+# 359.0, 1,024 rows 760.3 / 715.5, 2,048 rows 1,619.9 / 1,439.6. AVX2, a 2-core Zen 3
+# (session 50): 1 row 8.9 / 17.3 /
 # 25.7, 16 rows 29.3 / 34.0 / 45.9, 64 rows 87.6 / 90.8 / 119.1, 128 rows 166.0 / 166.7 /
 # 196.7, 256 rows 367.2 / 326.8 / 391.9, 512 rows 653.0 / 672.9 / 705.1, 1,024 rows 1,321.6 /
 # 1,353.5 / 1,420.5, 2,048 rows 3,083.0 / 3,036.2 / 2,961.1: there the levels take iterations of

@@ -377,7 +377,8 @@ inline void f32_tile(const float* x, const float* w, float* part, float* y, int6
   for (int64_t i = 0; i < M; ++i)
     for (int64_t p = 0; p < 2; ++p)
       for (int64_t h = 0; h < 2; ++h)
-        acc[i][p][h] = c0 ? _mm512_loadu_ps(part + ((i * 2 + p) * 2 + h) * 16) : _mm512_setzero_ps();
+        acc[i][p][h] =
+            c0 ? _mm512_loadu_ps(part + ((i * 2 + p) * 2 + h) * 16) : _mm512_setzero_ps();
 #pragma GCC unroll 2
   for (int64_t c = c0; c < c1; c += 2) {
 #pragma GCC unroll 2
