@@ -127,14 +127,48 @@ void q4_lanes_rows(const float* x, const uint8_t* w, float* y, int64_t k, int64_
   lanes_store<M>(acc, nullptr, y, n, g);
 }
 
-// q4_lanes_rows rebuilds each weight once per kLaneRows rows of x; past this many rows
-// q4_lanes_unpacked rebuilds it once an iteration. SmolLM2's 120 projections on a 2-core Xeon
-// without AMX (AVX-512), ms, medians of 15, three rounds in turns, q4_lanes_rows /
-// q4_lanes_unpacked since f32_item's blocked tiles: 9 rows 14.7-14.9 / 15.8-17.9, 10 rows
-// 15.6-16.8 / 15.4-16.3, 12 rows 16.6-19.5 / 16.4-17.3, 14 rows 20.2-20.5 / 18.7-19.2, 16 rows
-// 21.3-24.1 / 19.6-20.0, 20 rows 25.8-26.4 / 22.9-23.1 (docs/benchmarks.md, session 53; with
-// lanes_rows' tiles the unpacked form caught up only at 24 rows, session 49).
-constexpr int64_t kQ4LanesDirectMaxRows = 12;
+// q4_lanes_rows over one group and up to kQ4GroupRows rows: each rebuilt weight vector serves
+// twice the rows, for half the channels, so an iteration of 5-16 rows rebuilds each weight once
+// or twice rather than two to four times. The same chains and order (the same bits).
+constexpr int64_t kQ4GroupRows = 8;  // 16 accumulators
+
+template <int64_t M>
+void q4_lanes_group_rows(const float* x, const uint8_t* w, float* y, int64_t k, int64_t n,
+                         int64_t g) {
+  const uint8_t* wg = w + g * (k / 32 * kQ4GroupBytes);
+  __m512 acc[2][M];  // [input mod 2][row]
+#pragma GCC unroll 8
+  for (int64_t i = 0; i < M; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < k / 32; ++b) {
+    const uint8_t* blk = wg + b * kQ4GroupBytes;
+    const auto half = [](const uint8_t* p) { return reinterpret_cast<const uint16_t*>(p); };
+    const Lanes16 d = Lanes16::load_half(half(blk)), m = Lanes16::load_half(half(blk + 32));
+    for (int64_t s = 0; s < 16; ++s) {
+      Lanes16 q[2];  // levels of inputs 2 s and 2 s + 1
+      Lanes16::load_nibbles(blk + 64 + 16 * s, q[0], q[1]);
+#pragma GCC unroll 2
+      for (int64_t e = 0; e < 2; ++e) {  // input 32 b + 2 s + e, an even one first
+        const __m512 wv = fmadd(q[e], d, m).v;
+        const float* xc = x + 32 * b + 2 * s + e;
+#pragma GCC unroll 8
+        for (int64_t i = 0; i < M; ++i)
+          acc[e][i] = _mm512_fmadd_ps(wv, _mm512_set1_ps(xc[i * k]), acc[e][i]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int64_t i = 0; i < M; ++i)
+    _mm512_storeu_ps(y + i * n + 16 * g, _mm512_add_ps(acc[0][i], acc[1][i]));
+}
+
+// Up to this many rows the weights are rebuilt in registers per tile (q4_lanes_rows to kLaneRows
+// rows, q4_lanes_group_rows past it), past it once an iteration (q4_lanes_unpacked). SmolLM2's
+// 120 projections on a 2-core Xeon without AMX (AVX-512), ms, medians of 11-15 in turns
+// (docs/benchmarks.md, session 53): pair tiles of 4 rows / group tiles of 8 at 5 rows 9.6-9.7 /
+// 8.2, 8 rows 11.5-11.6 / 9.8-9.9, 10 rows 15.0-15.1 / 13.4-13.7, 12 rows 15.9-16.2 / 14.7-15.0;
+// group tiles / rebuilt once an iteration at 13 rows 15.8-16.1 / 17.1-17.7, 14 rows 16.6-16.9 /
+// 17.7-18.0, 16 rows 18.1-18.7 / 18.5-18.8.
+constexpr int64_t kQ4LanesDirectMaxRows = 16;
 
 #else
 // The AVX2 form of q4_lanes_rows. 16 ymm registers cannot hold its accumulators, the two
@@ -519,6 +553,17 @@ Tensor q4_lanes_linear(const Tensor& x, const Tensor& packed) {
       q4_lanes_unpacked(xp, wp, yp, x.size(0), k, n);
     });
 #if defined(__AVX512F__)
+  if (x.size(0) > kLaneRows)
+    return lanes_frame(x, n, [&](const float* xp, float* yp) {
+      const int64_t m = x.size(0);
+      run_items(n / 32, at::get_num_threads(), [&](int64_t pair, int64_t) {
+        for (int64_t g = 2 * pair; g < 2 * pair + 2; ++g)
+          for (int64_t i0 = 0; i0 < m; i0 += kQ4GroupRows)
+            with_row_count<kQ4GroupRows>(std::min(m - i0, kQ4GroupRows), [&](auto rows) {
+              q4_lanes_group_rows<decltype(rows)::value>(xp + i0 * k, wp, yp + i0 * n, k, n, g);
+            });
+      });
+    });
   return lanes_matmul(x, n, [&](auto rows, const float* xr, float* yr, int64_t g) {
     q4_lanes_rows<decltype(rows)::value>(xr, wp, yr, k, n, g);
   });
