@@ -128,16 +128,16 @@ void q4_lanes_rows(const float* x, const uint8_t* w, float* y, int64_t k, int64_
 }
 
 // q4_lanes_rows over one group and up to kQ4GroupRows rows: each rebuilt weight vector serves
-// twice the rows, for half the channels, so an iteration of 5-16 rows rebuilds each weight once
-// or twice rather than two to four times. The same chains and order (the same bits).
-constexpr int64_t kQ4GroupRows = 8;  // 16 accumulators
+// three times the rows, for half the channels, so an iteration of 5-16 rows rebuilds each weight
+// once or twice rather than two to four times. The same chains and order (the same bits).
+constexpr int64_t kQ4GroupRows = 12;  // 24 accumulators (none spilled)
 
 template <int64_t M>
 void q4_lanes_group_rows(const float* x, const uint8_t* w, float* y, int64_t k, int64_t n,
                          int64_t g) {
   const uint8_t* wg = w + g * (k / 32 * kQ4GroupBytes);
   __m512 acc[2][M];  // [input mod 2][row]
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int64_t i = 0; i < M; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < k / 32; ++b) {
     const uint8_t* blk = wg + b * kQ4GroupBytes;
@@ -150,13 +150,13 @@ void q4_lanes_group_rows(const float* x, const uint8_t* w, float* y, int64_t k, 
       for (int64_t e = 0; e < 2; ++e) {  // input 32 b + 2 s + e, an even one first
         const __m512 wv = fmadd(q[e], d, m).v;
         const float* xc = x + 32 * b + 2 * s + e;
-#pragma GCC unroll 8
+#pragma GCC unroll 12
         for (int64_t i = 0; i < M; ++i)
           acc[e][i] = _mm512_fmadd_ps(wv, _mm512_set1_ps(xc[i * k]), acc[e][i]);
       }
     }
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int64_t i = 0; i < M; ++i)
     _mm512_storeu_ps(y + i * n + 16 * g, _mm512_add_ps(acc[0][i], acc[1][i]));
 }
@@ -165,9 +165,9 @@ void q4_lanes_group_rows(const float* x, const uint8_t* w, float* y, int64_t k, 
 // rows, q4_lanes_group_rows past it), past it once an iteration (q4_lanes_unpacked). SmolLM2's
 // 120 projections on a 2-core Xeon without AMX (AVX-512), ms, medians of 11-15 in turns
 // (docs/benchmarks.md, session 53): pair tiles of 4 rows / group tiles of 8 at 5 rows 9.6-9.7 /
-// 8.2, 8 rows 11.5-11.6 / 9.8-9.9, 10 rows 15.0-15.1 / 13.4-13.7, 12 rows 15.9-16.2 / 14.7-15.0;
-// group tiles / rebuilt once an iteration at 13 rows 15.8-16.1 / 17.1-17.7, 14 rows 16.6-16.9 /
-// 17.7-18.0, 16 rows 18.1-18.7 / 18.5-18.8.
+// 8.2, 8 rows 11.5-11.6 / 9.8-9.9, 10 rows 15.0-15.1 / 13.4-13.7, 12 rows 15.9-16.2 / 14.7-15.0,
+// and of 12, 10 rows 11.5-11.7, 12 rows 13.1; group tiles of 8 / rebuilt once an iteration at 13
+// rows 15.8-16.1 / 17.1-17.7, 14 rows 16.6-16.9 / 17.7-18.0, 16 rows 18.1-18.7 / 18.5-18.8.
 constexpr int64_t kQ4LanesDirectMaxRows = 16;
 
 #else
