@@ -102,14 +102,17 @@ inline void q4_lanes_unpack(const uint8_t* w, float* out, int64_t k) {
 // then 16 vectors of 16 bytes, byte j of vector s holding channel j's levels at inputs 2 s (low
 // nibble) and 2 s + 1 (high).
 template <int64_t M>
-void q4_lanes_rows(const float* x, const uint8_t* w, float* y, int64_t k, int64_t n, int64_t g) {
+void q4_lanes_rows(const float* x, const uint8_t* w, float* y, int64_t k, int64_t n, int64_t g,
+                   const char* pf = nullptr) {
   const int64_t block_bytes = k / 32 * kQ4GroupBytes;
   const uint8_t* w0 = w + g * block_bytes;
   const uint8_t* w1 = w0 + block_bytes;
   LaneAcc<M> acc;
   for (auto& a : acc)
     for (auto& r : a) r[0] = r[1] = Lanes16::zero();
+  int64_t due = 0;
   for (int64_t b = 0; b < k / 32; ++b) {
+    if (pf) prefetch_step<2>(pf, due, 2 * block_bytes / 64, k / 32);
     const uint8_t* b0 = w0 + b * kQ4GroupBytes;
     const uint8_t* b1 = w1 + b * kQ4GroupBytes;
     const auto half = [](const uint8_t* p) { return reinterpret_cast<const uint16_t*>(p); };
@@ -134,12 +137,14 @@ constexpr int64_t kQ4GroupRows = 12;  // 24 accumulators (none spilled)
 
 template <int64_t M>
 void q4_lanes_group_rows(const float* x, const uint8_t* w, float* y, int64_t k, int64_t n,
-                         int64_t g) {
+                         int64_t g, const char* pf) {
   const uint8_t* wg = w + g * (k / 32 * kQ4GroupBytes);
   __m512 acc[2][M];  // [input mod 2][row]
 #pragma GCC unroll 12
   for (int64_t i = 0; i < M; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
+  int64_t due = 0;
   for (int64_t b = 0; b < k / 32; ++b) {
+    if (pf) prefetch_step<2>(pf, due, k / 32 * kQ4GroupBytes / 64, k / 32);
     const uint8_t* blk = wg + b * kQ4GroupBytes;
     const auto half = [](const uint8_t* p) { return reinterpret_cast<const uint16_t*>(p); };
     const Lanes16 d = Lanes16::load_half(half(blk)), m = Lanes16::load_half(half(blk + 32));
@@ -556,16 +561,27 @@ Tensor q4_lanes_linear(const Tensor& x, const Tensor& packed) {
   if (x.size(0) > kLaneRows)
     return lanes_frame(x, n, [&](const float* xp, float* yp) {
       const int64_t m = x.size(0);
-      run_items(n / 32, at::get_num_threads(), [&](int64_t pair, int64_t) {
-        for (int64_t g = 2 * pair; g < 2 * pair + 2; ++g)
-          for (int64_t i0 = 0; i0 < m; i0 += kQ4GroupRows)
+      const int64_t pairs = n / 32, group_bytes = k / 32 * kQ4GroupBytes;
+      run_items(pairs, at::get_num_threads(), [&](int64_t pair, int64_t next) {
+        for (int64_t h = 0; h < 2; ++h)  // the first tile of each group asks for the next pair's
+          for (int64_t i0 = 0; i0 < m; i0 += kQ4GroupRows) {
+            const char* pf = i0 == 0 && next < pairs
+                ? reinterpret_cast<const char*>(wp + (2 * next + h) * group_bytes) : nullptr;
             with_row_count<kQ4GroupRows>(std::min(m - i0, kQ4GroupRows), [&](auto rows) {
-              q4_lanes_group_rows<decltype(rows)::value>(xp + i0 * k, wp, yp + i0 * n, k, n, g);
+              q4_lanes_group_rows<decltype(rows)::value>(xp + i0 * k, wp, yp + i0 * n, k, n,
+                                                         2 * pair + h, pf);
             });
+          }
       });
     });
-  return lanes_matmul(x, n, [&](auto rows, const float* xr, float* yr, int64_t g) {
-    q4_lanes_rows<decltype(rows)::value>(xr, wp, yr, k, n, g);
+  return lanes_frame(x, n, [&](const float* xp, float* yp) {
+    const int64_t pairs = n / 32, pair_bytes = 2 * (k / 32) * kQ4GroupBytes;
+    run_items(pairs, at::get_num_threads(), [&](int64_t pair, int64_t next) {
+      const char* pf = next < pairs ? reinterpret_cast<const char*>(wp + next * pair_bytes) : nullptr;
+      with_row_count<kLaneRows>(x.size(0), [&](auto rows) {
+        q4_lanes_rows<decltype(rows)::value>(xp, wp, yp, k, n, 2 * pair, pf);
+      });
+    });
   });
 #else
   return lanes_frame(x, n, [&](const float* xp, float* yp) {
