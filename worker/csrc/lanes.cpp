@@ -100,10 +100,11 @@ inline void q4_lanes_unpack(const uint8_t* w, float* out, int64_t k) {
 // is f32_linear's to the bit (d q + m is exact in one FMA, as the loader's float32 weight is).
 // `w` is q4_lanes_linear's layout: per 16-channel group and 32 inputs, d[16] and m[16] float16,
 // then 16 vectors of 16 bytes, byte j of vector s holding channel j's levels at inputs 2 s (low
-// nibble) and 2 s + 1 (high).
+// nibble) and 2 s + 1 (high). `pf` (or null): levels of as many bytes as the two groups' to ask
+// for into L2, a share at each block (prefetch_step): the thread's next item's.
 template <int64_t M>
 void q4_lanes_rows(const float* x, const uint8_t* w, float* y, int64_t k, int64_t n, int64_t g,
-                   const char* pf = nullptr) {
+                   const char* pf) {
   const int64_t block_bytes = k / 32 * kQ4GroupBytes;
   const uint8_t* w0 = w + g * block_bytes;
   const uint8_t* w1 = w0 + block_bytes;
@@ -132,7 +133,8 @@ void q4_lanes_rows(const float* x, const uint8_t* w, float* y, int64_t k, int64_
 
 // q4_lanes_rows over one group and up to kQ4GroupRows rows: each rebuilt weight vector serves
 // three times the rows, for half the channels, so an iteration of 5-16 rows rebuilds each weight
-// once or twice rather than two to four times. The same chains and order (the same bits).
+// once or twice rather than two to four times. The same chains and order (the same bits). `pf`
+// (or null): a group's worth of levels to ask for into L2 as it goes, as q4_lanes_rows' does.
 constexpr int64_t kQ4GroupRows = 12;  // 24 accumulators (none spilled)
 
 template <int64_t M>
@@ -553,34 +555,35 @@ Tensor q4_lanes_linear(const Tensor& x, const Tensor& packed) {
   check_lanes_input(x, packed, k, "q4_lanes_linear");
   TORCH_CHECK(n % 32 == 0, "q4_lanes_linear: N a multiple of 32");
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  if (x.size(0) > kQ4LanesDirectMaxRows)
+  const int64_t m = x.size(0);
+  if (m > kQ4LanesDirectMaxRows)
     return lanes_frame(x, n, [&](const float* xp, float* yp) {
-      q4_lanes_unpacked(xp, wp, yp, x.size(0), k, n);
+      q4_lanes_unpacked(xp, wp, yp, m, k, n);
     });
 #if defined(__AVX512F__)
-  if (x.size(0) > kLaneRows)
-    return lanes_frame(x, n, [&](const float* xp, float* yp) {
-      const int64_t m = x.size(0);
-      const int64_t pairs = n / 32, group_bytes = k / 32 * kQ4GroupBytes;
-      run_items(pairs, at::get_num_threads(), [&](int64_t pair, int64_t next) {
-        for (int64_t h = 0; h < 2; ++h)  // the first tile of each group asks for the next pair's
-          for (int64_t i0 = 0; i0 < m; i0 += kQ4GroupRows) {
-            const char* pf = i0 == 0 && next < pairs
-                ? reinterpret_cast<const char*>(wp + (2 * next + h) * group_bytes) : nullptr;
-            with_row_count<kQ4GroupRows>(std::min(m - i0, kQ4GroupRows), [&](auto rows) {
-              q4_lanes_group_rows<decltype(rows)::value>(xp + i0 * k, wp, yp + i0 * n, k, n,
-                                                         2 * pair + h, pf);
-            });
-          }
-      });
-    });
+  // An item is a pair of groups; its tiles ask for the levels of the item the thread claims next
+  // (`next`) into L2 as they go.
+  const int64_t pairs = n / 32, group_bytes = k / 32 * kQ4GroupBytes;
+  const auto levels = [&](int64_t g) {
+    return reinterpret_cast<const char*>(wp + g * group_bytes);
+  };
   return lanes_frame(x, n, [&](const float* xp, float* yp) {
-    const int64_t pairs = n / 32, pair_bytes = 2 * (k / 32) * kQ4GroupBytes;
     run_items(pairs, at::get_num_threads(), [&](int64_t pair, int64_t next) {
-      const char* pf = next < pairs ? reinterpret_cast<const char*>(wp + next * pair_bytes) : nullptr;
-      with_row_count<kLaneRows>(x.size(0), [&](auto rows) {
-        q4_lanes_rows<decltype(rows)::value>(xp, wp, yp, k, n, 2 * pair, pf);
-      });
+      if (m <= kLaneRows) {
+        if (m > 0)
+          with_row_count<kLaneRows>(m, [&](auto rows) {
+            q4_lanes_rows<decltype(rows)::value>(xp, wp, yp, k, n, 2 * pair,
+                                                 next < pairs ? levels(2 * next) : nullptr);
+          });
+        return;
+      }
+      for (int64_t h = 0; h < 2; ++h)  // the first tile of each group asks for the next pair's
+        for (int64_t i0 = 0; i0 < m; i0 += kQ4GroupRows)
+          with_row_count<kQ4GroupRows>(std::min(m - i0, kQ4GroupRows), [&](auto rows) {
+            q4_lanes_group_rows<decltype(rows)::value>(
+                xp + i0 * k, wp, yp + i0 * n, k, n, 2 * pair + h,
+                i0 == 0 && next < pairs ? levels(2 * next + h) : nullptr);
+          });
     });
   });
 #else
