@@ -141,6 +141,7 @@ inline void softmax_rows(float* scores, int64_t g, int64_t len, int64_t padded, 
         s[t0 + u] = t0 + u < len ? e : 0.f;
         lanes[u] += s[t0 + u];
       }
+#pragma GCC unroll 4
     for (int64_t w = 8; w >= 1; w /= 2)  // pairwise, in vector steps (in turn: 16 dependent adds)
       for (int64_t u = 0; u < w; ++u) lanes[u] += lanes[u + w];
     inv_sum[j] = 1.f / lanes[0];
