@@ -475,8 +475,8 @@ def test_q4_lanes_linear_gives_f32_linears_bits_from_4_bit_levels(out_features, 
     levels, scale_min = random_q4_levels(out_features, in_features, g, q4_0)
     w = q4_weight(levels, scale_min, torch.float32)
     packed, lanes = pack_q4_lanes(levels, scale_min), pack_lanes(w)
-    # Every tile shape of both (AVX2: chunks of 4 rows in q4_lanes_tiles; AVX-512: pairs of
-    # groups to 4 rows, single groups in tiles of 8 to 16 rows; f32_item's tiles of 6 over
+    # Every tile shape of both (AVX2: chunks of 4 rows in q4_lanes_tiles; AVX-512: tiles of two
+    # groups to 4 rows, of one group and up to 12 rows from 5 to 16; f32_item's tiles of 6 over
     # blocks of 256 inputs saved between them), and the weights rebuilt once an iteration
     # (q4_lanes_unpacked) past 12 rows (AVX2) or 16 (AVX-512), last tiles of every size
     for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 24, 25, 33, 34, 64, 67, 300):

@@ -35,7 +35,7 @@ namespace shoal {
 inline Lanes16 load_weights(const int8_t* p) { return Lanes16::load_int8(p); }
 inline Lanes16 load_weights(const float* p) { return Lanes16::load(p); }
 
-// Accumulators of lanes_rows and q4_lanes_rows: [input mod kLaneChains][row][group], so that the
+// Accumulators of lanes_rows: [input mod kLaneChains][row][group], as q4_lanes_tile's, so that the
 // two sum in the same order.
 template <int64_t M> using LaneAcc = Lanes16[kLaneChains][M][2];
 
@@ -79,7 +79,7 @@ void lanes_rows(const float* x, const W* w, const float* scale, float* y, int64_
 }
 
 // One 16-channel group's float32 weights `[K][16]` (f32_linear's lanes layout) rebuilt from its
-// levels into `out`, with q4_lanes_rows' and q4_lanes_tile's multiply-add: the loader's float32
+// levels into `out`, with q4_lanes_tile's multiply-add (both builds'): the loader's float32
 // weight, bit for bit.
 inline void q4_lanes_unpack(const uint8_t* w, float* out, int64_t k) {
   for (int64_t b = 0; b < k / 32; ++b) {
@@ -96,80 +96,58 @@ inline void q4_lanes_unpack(const uint8_t* w, float* out, int64_t k) {
 
 #if defined(__AVX512F__)
 // float32 weights rebuilt from GGUF's 4-bit levels (see q4_linear in pairs.cpp for the scheme):
-// rows of x against channel groups g and g + 1, with lanes_rows' chains and order, so the result
+// M rows of x against G channel groups from g on, with lanes_rows' chains and order, so the result
 // is f32_linear's to the bit (d q + m is exact in one FMA, as the loader's float32 weight is).
 // `w` is q4_lanes_linear's layout: per 16-channel group and 32 inputs, d[16] and m[16] float16,
 // then 16 vectors of 16 bytes, byte j of vector s holding channel j's levels at inputs 2 s (low
-// nibble) and 2 s + 1 (high). `pf` (or null): levels of as many bytes as the two groups' to ask
-// for into L2, a share at each block (prefetch_step): the thread's next item's.
-template <int64_t M>
-void q4_lanes_rows(const float* x, const uint8_t* w, float* y, int64_t k, int64_t n, int64_t g,
-                   const char* pf) {
-  const int64_t block_bytes = k / 32 * kQ4GroupBytes;
-  const uint8_t* w0 = w + g * block_bytes;
-  const uint8_t* w1 = w0 + block_bytes;
-  LaneAcc<M> acc;
-  for (auto& a : acc)
-    for (auto& r : a) r[0] = r[1] = Lanes16::zero();
-  int64_t due = 0;
-  for (int64_t b = 0; b < k / 32; ++b) {
-    if (pf) prefetch_step<2>(pf, due, 2 * block_bytes / 64, k / 32);
-    const uint8_t* b0 = w0 + b * kQ4GroupBytes;
-    const uint8_t* b1 = w1 + b * kQ4GroupBytes;
-    const auto half = [](const uint8_t* p) { return reinterpret_cast<const uint16_t*>(p); };
-    const Lanes16 d0 = Lanes16::load_half(half(b0)), m0 = Lanes16::load_half(half(b0 + 32));
-    const Lanes16 d1 = Lanes16::load_half(half(b1)), m1 = Lanes16::load_half(half(b1 + 32));
-    for (int64_t s = 0; s < 16; ++s) {
-      Lanes16 q0[2], q1[2];  // levels of inputs 2 s and 2 s + 1
-      Lanes16::load_nibbles(b0 + 64 + 16 * s, q0[0], q0[1]);
-      Lanes16::load_nibbles(b1 + 64 + 16 * s, q1[0], q1[1]);
-      for (int64_t e = 0; e < 2; ++e)  // input 32 b + 2 s + e, an even one first
-        lanes_step<M>(acc[e % kLaneChains], x + 32 * b + 2 * s + e, k, fmadd(q0[e], d0, m0),
-                      fmadd(q1[e], d1, m1));
-    }
-  }
-  lanes_store<M>(acc, nullptr, y, n, g);
-}
-
-// q4_lanes_rows over one group and up to kQ4GroupRows rows: each rebuilt weight vector serves
-// three times the rows, for half the channels, so an iteration of 5-16 rows rebuilds each weight
-// once or twice rather than two to four times. The same chains and order (the same bits). `pf`
-// (or null): a group's worth of levels to ask for into L2 as it goes, as q4_lanes_rows' does.
+// nibble) and 2 s + 1 (high). `pf` (or null): the levels of G groups to ask for into L2, a share
+// at each block (prefetch_step): the thread's next item's.
+// Tiles of 2 groups take up to kLaneRows rows; of one group, up to kQ4GroupRows: each rebuilt
+// weight vector then serves three times the rows, so an iteration of 5-16 rows rebuilds each
+// weight once or twice rather than two to four times.
 constexpr int64_t kQ4GroupRows = 12;  // 24 accumulators (none spilled)
 
-template <int64_t M>
-void q4_lanes_group_rows(const float* x, const uint8_t* w, float* y, int64_t k, int64_t n,
-                         int64_t g, const char* pf) {
-  const uint8_t* wg = w + g * (k / 32 * kQ4GroupBytes);
-  __m512 acc[2][M];  // [input mod 2][row]
-#pragma GCC unroll 12
-  for (int64_t i = 0; i < M; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
+template <int64_t M, int64_t G>
+void q4_lanes_tile(const float* x, const uint8_t* w, float* y, int64_t k, int64_t n, int64_t g,
+                   const char* pf) {
+  const int64_t group_bytes = k / 32 * kQ4GroupBytes;
+  Lanes16 acc[2][M][G];  // [input mod 2][row][group]
+  for (auto& chain : acc)
+    for (auto& row : chain)
+      for (auto& a : row) a = Lanes16::zero();
   int64_t due = 0;
   for (int64_t b = 0; b < k / 32; ++b) {
-    if (pf) prefetch_step<2>(pf, due, k / 32 * kQ4GroupBytes / 64, k / 32);
-    const uint8_t* blk = wg + b * kQ4GroupBytes;
-    const auto half = [](const uint8_t* p) { return reinterpret_cast<const uint16_t*>(p); };
-    const Lanes16 d = Lanes16::load_half(half(blk)), m = Lanes16::load_half(half(blk + 32));
+    if (pf) prefetch_step<2>(pf, due, G * group_bytes / 64, k / 32);
+    const uint8_t* blk[G];
+    Lanes16 d[G], m[G];
+    for (int64_t h = 0; h < G; ++h) {
+      blk[h] = w + (g + h) * group_bytes + b * kQ4GroupBytes;
+      d[h] = Lanes16::load_half(reinterpret_cast<const uint16_t*>(blk[h]));
+      m[h] = Lanes16::load_half(reinterpret_cast<const uint16_t*>(blk[h] + 32));
+    }
     for (int64_t s = 0; s < 16; ++s) {
-      Lanes16 q[2];  // levels of inputs 2 s and 2 s + 1
-      Lanes16::load_nibbles(blk + 64 + 16 * s, q[0], q[1]);
+      Lanes16 q[G][2];  // levels of inputs 2 s and 2 s + 1
+      for (int64_t h = 0; h < G; ++h) Lanes16::load_nibbles(blk[h] + 64 + 16 * s, q[h][0], q[h][1]);
 #pragma GCC unroll 2
       for (int64_t e = 0; e < 2; ++e) {  // input 32 b + 2 s + e, an even one first
-        const __m512 wv = fmadd(q[e], d, m).v;
+        Lanes16 wv[G];
+        for (int64_t h = 0; h < G; ++h) wv[h] = fmadd(q[h][e], d[h], m[h]);
         const float* xc = x + 32 * b + 2 * s + e;
 #pragma GCC unroll 12
-        for (int64_t i = 0; i < M; ++i)
-          acc[e][i] = _mm512_fmadd_ps(wv, _mm512_set1_ps(xc[i * k]), acc[e][i]);
+        for (int64_t i = 0; i < M; ++i) {
+          const Lanes16 xv = Lanes16::all(xc[i * k]);
+          for (int64_t h = 0; h < G; ++h) acc[e][i][h] = fmadd(wv[h], xv, acc[e][i][h]);
+        }
       }
     }
   }
 #pragma GCC unroll 12
   for (int64_t i = 0; i < M; ++i)
-    _mm512_storeu_ps(y + i * n + 16 * g, _mm512_add_ps(acc[0][i], acc[1][i]));
+    for (int64_t h = 0; h < G; ++h) (acc[0][i][h] + acc[1][i][h]).store(y + i * n + 16 * (g + h));
 }
 
-// Up to this many rows the weights are rebuilt in registers per tile (q4_lanes_rows to kLaneRows
-// rows, q4_lanes_group_rows past it), past it once an iteration (q4_lanes_unpacked). SmolLM2's
+// Up to this many rows the weights are rebuilt in registers per tile (q4_lanes_tile: two groups to
+// kLaneRows rows, one past it), past it once an iteration (q4_lanes_unpacked). SmolLM2's
 // 120 projections on a 2-core Xeon without AMX (AVX-512), ms, medians of 11-15 in turns
 // (docs/benchmarks.md, session 53): pair tiles of 4 rows / group tiles of 8 at 5 rows 9.6-9.7 /
 // 8.2, 8 rows 11.5-11.6 / 9.8-9.9, 10 rows 15.0-15.1 / 13.4-13.7, 12 rows 15.9-16.2 / 14.7-15.0,
@@ -178,15 +156,16 @@ void q4_lanes_group_rows(const float* x, const uint8_t* w, float* y, int64_t k, 
 constexpr int64_t kQ4LanesDirectMaxRows = 16;
 
 #else
-// The AVX2 form of q4_lanes_rows. 16 ymm registers cannot hold its accumulators, the two
+// The AVX2 form of q4_lanes_tile. 16 ymm registers cannot hold its accumulators, the two
 // groups' d and m and the levels being widened at once: GCC spilled accumulators to the stack,
 // a store and a reload on every multiply-add chain. Here a block's d and m are widened once into
 // a small buffer that the weight-rebuilding multiply-adds read as memory operands, so registers
 // hold the accumulators -- M rows x G groups x 2 halves, at most 8, what two FMA pipes of 4
 // cycles' latency need in flight -- and the levels being widened. Each channel's chain runs over
 // its inputs in order from zero, as f32_linear's (kLaneChains = 1 on AVX2): the same bits.
-// SmolLM2's 120 projections on a 2-core Zen 3, ms, against q4_lanes_rows: 1 row 8.4 / 8.7,
-// 2 rows 9.3 / 10.2, 4 rows 12.5 / 19.1, 8 rows 30 / 42 (docs/benchmarks.md, session 22).
+// SmolLM2's 120 projections on a 2-core Zen 3, ms, against the Lanes16 tile it replaced there:
+// 1 row 8.4 / 8.7, 2 rows 9.3 / 10.2, 4 rows 12.5 / 19.1, 8 rows 30 / 42 (docs/benchmarks.md,
+// session 22).
 template <int64_t M, int64_t G>
 void q4_lanes_tile(const float* x, const uint8_t* w, float* y, int64_t k, int64_t n, int64_t g) {
   static_assert(M * G * 2 <= 8, "accumulators beyond 8 ymm registers spill");
@@ -545,7 +524,7 @@ void q4_lanes_tiles(const float* x, const uint8_t* w, float* y, int64_t m, int64
 #endif
 
 // y = x W^T for x `[M, K]` float32 or bfloat16 against W's 4-bit levels `packed`
-// `[N / 16, K / 32, kQ4GroupBytes]` uint8 (q4_lanes_rows' layout); returns `[M, N]` in x's dtype:
+// `[N / 16, K / 32, kQ4GroupBytes]` uint8 (q4_lanes_tile's layout); returns `[M, N]` in x's dtype:
 // f32_linear's result over the float32 weight the levels stand for, bit for bit.
 Tensor q4_lanes_linear(const Tensor& x, const Tensor& packed) {
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kQ4GroupBytes &&
@@ -572,15 +551,15 @@ Tensor q4_lanes_linear(const Tensor& x, const Tensor& packed) {
       if (m <= kLaneRows) {
         if (m > 0)
           with_row_count<kLaneRows>(m, [&](auto rows) {
-            q4_lanes_rows<decltype(rows)::value>(xp, wp, yp, k, n, 2 * pair,
-                                                 next < pairs ? levels(2 * next) : nullptr);
+            q4_lanes_tile<decltype(rows)::value, 2>(xp, wp, yp, k, n, 2 * pair,
+                                                    next < pairs ? levels(2 * next) : nullptr);
           });
         return;
       }
       for (int64_t h = 0; h < 2; ++h)  // the first tile of each group asks for the next pair's
         for (int64_t i0 = 0; i0 < m; i0 += kQ4GroupRows)
           with_row_count<kQ4GroupRows>(std::min(m - i0, kQ4GroupRows), [&](auto rows) {
-            q4_lanes_group_rows<decltype(rows)::value>(
+            q4_lanes_tile<decltype(rows)::value, 1>(
                 xp + i0 * k, wp, yp + i0 * n, k, n, 2 * pair + h,
                 i0 == 0 && next < pairs ? levels(2 * next + h) : nullptr);
           });
